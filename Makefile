@@ -1,0 +1,41 @@
+# Set-up and everyday commands. `make run` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: run test lint format fetch-model bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# Pin torch first: a loose requirement could pull a multi-GB CUDA build.
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[test]"
+	touch $(STAMP)
+
+fetch-model: $(STAMP)
+	$(PY) -m pagellm.fetch
+
+run: fetch-model
+	$(VENV)/bin/pagellm generate "What is the capital of France?"
+
+test: fetch-model
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest -q -x
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+bench: fetch-model
+	$(VENV)/bin/pagellm bench throughput --dataset random --input-len 128 --output-len 128 \
+		--num-prompts 256 --baseline hf --output-json results/throughput_random.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

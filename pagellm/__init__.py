@@ -1,0 +1,15 @@
+"""pagellm: a self-hosted, high-throughput LLM inference engine and server."""
+
+from pagellm.config import EngineConfig
+from pagellm.engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "EngineConfig", "SamplingParams"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "LLM":  # lazy: importing pagellm must not import torch
+        from pagellm.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -1,0 +1,85 @@
+"""Engine configuration: one frozen dataclass per area and a composite.
+
+Every field is documented once here; CLI flags (``--max-num-seqs``) are derived from field names,
+so the names follow vLLM's where vLLM has the setting. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """What to load and how."""
+
+    model: str | None = None
+    """HF directory (config.json + *.safetensors) or a .gguf file; None = the embedded default."""
+    dtype: str = "auto"
+    """Compute dtype: auto (bfloat16 on CPUs with native bf16, else float32), float32, bfloat16."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; None = the model's own context length."""
+    seed: int = 0
+    """Seed for requests that give none (each request still gets its own generator)."""
+    tokenizer: str | None = None
+    """Tokenizer directory when it differs from the model's."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory: float = 2.0
+    """KV-cache budget in GiB (CPU); the number of blocks is derived from it."""
+    num_gpu_blocks_override: int | None = None
+    """Exact number of KV blocks, overriding the memory budget (tests, experiments)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 256
+    """Most requests in one step."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks + decode tokens)."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts into chunks that share steps with decodes."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the engine needs, composed from the per-area configs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_flat(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments (CLI flags, YAML keys, ``LLM(**kwargs)``)."""
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        owners = {f.name: area for area, sub in _AREAS.items() for f in dataclasses.fields(sub)}
+        for key, value in kwargs.items():
+            if key not in owners:
+                raise TypeError(f"unknown engine setting {key!r}")
+            parts[owners[key]][key] = value
+        return cls(**{area: _AREAS[area](**vals) for area, vals in parts.items()})
+
+
+_AREAS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+}
+
+
+def flat_fields() -> list[tuple[str, dataclasses.Field]]:
+    """All settings as (name, field) pairs, for CLI/YAML derivation."""
+    return [(f.name, f) for sub in _AREAS.values() for f in dataclasses.fields(sub)]

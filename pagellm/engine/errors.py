@@ -1,0 +1,26 @@
+"""Errors the engine raises for bad requests; the server maps them onto HTTP statuses."""
+
+from __future__ import annotations
+
+
+class RequestRejected(ValueError):
+    """A request that can never run; ``code`` and ``param`` follow OpenAI's error fields."""
+
+    def __init__(self, message: str, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+class ContextLengthExceeded(RequestRejected):
+    def __init__(self, prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+        wanted = prompt_tokens + (max_tokens or 0)
+        detail = f"{prompt_tokens} in the prompt"
+        if max_tokens:
+            detail += f" + {max_tokens} requested for the completion = {wanted}"
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens; "
+            f"the request needs {detail}.",
+            code="context_length_exceeded",
+            param="messages" if max_tokens is None else "max_tokens",
+        )

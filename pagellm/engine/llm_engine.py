@@ -1,0 +1,235 @@
+"""The synchronous engine: add_request / step / abort over scheduler, runner and detokenizer.
+
+The runner and tokenizer are injected (anything with ``execute(SchedulerOutput)`` and
+``decode(ids, skip_special_tokens)``), so this module stays free of torch. A request with
+``n > 1`` becomes n sequences; copies 2..n reuse the first copy's prompt blocks.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pagellm.config import EngineConfig
+from pagellm.engine.detokenizer import IncrementalDetokenizer
+from pagellm.engine.errors import ContextLengthExceeded, RequestRejected
+from pagellm.engine.kv_cache_manager import KVCacheManager, cdiv
+from pagellm.engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    RequestMetrics,
+    RequestOutput,
+    RunnerOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from pagellm.engine.request import FinishReason, Request
+from pagellm.engine.sampling_params import SamplingParams
+from pagellm.engine.scheduler import Scheduler
+
+
+class Executor(Protocol):
+    num_blocks: int
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput: ...
+
+
+class TokenizerLike(Protocol):
+    eos_token_id: int | None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclass(slots=True)
+class _Sequence:
+    request: Request
+    detok: IncrementalDetokenizer
+    logprobs: list[TokenLogprobs] | None
+
+
+@dataclass(slots=True)
+class _Group:
+    """The n sequences of one user request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[_Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        tokenizer: TokenizerLike,
+        max_model_len: int,
+        vocab_size: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.clock = clock
+        block_size = config.cache.block_size
+        if cdiv(max_model_len, block_size) > executor.num_blocks:
+            raise ValueError(
+                f"the KV cache holds {executor.num_blocks * block_size} tokens, fewer than "
+                f"max_model_len={max_model_len}: raise --kv-cache-memory or lower --max-model-len"
+            )
+        self.kv_manager = KVCacheManager(executor.num_blocks, block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, clock)
+        self._groups: dict[str, _Group] = {}
+        self._seq_to_group: dict[str, _Group] = {}
+        self._rng = random.Random(config.model.seed)
+
+    # ----- requests ---------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; raises RequestRejected if it can never run."""
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt)
+        self._validate(ids, params)
+        group = _Group(request_id, text, ids)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        for i in range(params.n):
+            req = Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                prompt_token_ids=ids,
+                params=params,
+                eos_token_id=self.tokenizer.eos_token_id,
+                arrival_time=arrival,
+                max_model_len=self.max_model_len,
+                priority=priority,
+                seed=base_seed + i,
+                parent_id=None if i == 0 else group.seqs[0].request.request_id,
+            )
+            detok = IncrementalDetokenizer.for_prompt(
+                self.tokenizer.decode, ids, params.skip_special_tokens, params.stop
+            )
+            group.seqs.append(_Sequence(req, detok, [] if params.logprobs is not None else None))
+        self._groups[request_id] = group
+        for seq in group.seqs:
+            self._seq_to_group[seq.request.request_id] = group
+            self.scheduler.add_request(seq.request)
+        self.scheduler.stats.prompt_tokens += len(ids)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise RequestRejected("the prompt is empty", param="prompt")
+        if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in ids):
+            raise RequestRejected(
+                f"prompt token ids must be integers in [0, {self.vocab_size})", param="prompt"
+            )
+        if len(ids) >= self.max_model_len:
+            raise ContextLengthExceeded(len(ids), None, self.max_model_len)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; False if it is unknown or done."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return False
+        for seq in group.seqs:
+            self._seq_to_group.pop(seq.request.request_id, None)
+            self.scheduler.finish_request(seq.request.request_id, FinishReason.ABORT)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats
+
+    # ----- stepping ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch step; returns an output for every request that advanced."""
+        sched = self.scheduler.schedule()
+        result = self.executor.execute(sched)
+        touched = self.scheduler.update(sched, result)
+        groups: dict[str, _Group] = {}
+        for req in touched:
+            group = self._seq_to_group.get(req.request_id)
+            if group is None:
+                continue
+            self._process_token(group, req, result)
+            groups[group.request_id] = group
+        return [self._finish_or_snapshot(g) for g in groups.values()]
+
+    def _process_token(self, group: _Group, req: Request, result: RunnerOutput) -> None:
+        seq = next(s for s in group.seqs if s.request is req)
+        if seq.logprobs is not None and req.request_id in result.logprobs:
+            seq.logprobs.append(result.logprobs[req.request_id])
+        stop = seq.detok.add_tokens([req.output_token_ids[-1]])
+        if stop is not None:
+            if not req.is_finished:
+                self.scheduler.finish_request(req.request_id, FinishReason.STOP)
+            req.finish_reason = FinishReason.STOP
+            req.stop_reason = stop
+
+    def _finish_or_snapshot(self, group: _Group) -> RequestOutput:
+        finished = group.finished
+        if finished:
+            self._groups.pop(group.request_id, None)
+            for seq in group.seqs:
+                self._seq_to_group.pop(seq.request.request_id, None)
+        return make_output(group, finished)
+
+
+def make_output(group: _Group, finished: bool) -> RequestOutput:
+    outputs = []
+    for i, seq in enumerate(group.seqs):
+        req = seq.request
+        outputs.append(
+            CompletionOutput(
+                index=i,
+                text=seq.detok.visible_text(req.is_finished),
+                token_ids=list(req.output_token_ids),
+                finish_reason=req.finish_reason.value if req.finish_reason else None,
+                stop_reason=req.stop_reason,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            )
+        )
+    first = group.seqs[0].request
+    metrics = RequestMetrics(
+        arrival_time=first.arrival_time,
+        first_scheduled_time=first.first_scheduled_time,
+        first_token_time=min(
+            (s.request.first_token_time for s in group.seqs if s.request.first_token_time),
+            default=None,
+        ),
+        finish_time=max((s.request.finish_time or 0.0 for s in group.seqs), default=None)
+        if finished
+        else None,
+        num_preemptions=sum(s.request.num_preemptions for s in group.seqs),
+    )
+    return RequestOutput(
+        group.request_id, group.prompt, group.prompt_token_ids, outputs, finished, metrics
+    )

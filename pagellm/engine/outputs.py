@@ -1,0 +1,110 @@
+"""Typed records that cross layers: scheduler -> runner -> scheduler -> user."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagellm.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: compute ``token_ids`` at positions ``start_pos...``."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool
+    """True when this chunk reaches the end of the known tokens, so a next token is sampled."""
+    params: SamplingParams
+    seed: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_id: int | None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    finished_request_ids: list[str] = field(default_factory=list)
+    """Requests that ended since the last step: the runner drops their per-request state."""
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probability of the sampled token and the ``top`` alternatives, best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sampled: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What the user sees of a request (all ``n`` completions); ``delta`` fields for streaming."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Engine-wide counters for benchmarks and metrics."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    peak_kv_usage: float = 0.0
+    kv_waste_at_peak: float = 0.0
+    """Allocated-but-unfilled slots / allocated slots, at the step of peak KV usage."""
+    prompt_tokens: int = 0
+    generation_tokens: int = 0

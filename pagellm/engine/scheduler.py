@@ -1,0 +1,213 @@
+"""Continuous batching: which requests compute which tokens in the next step.
+
+There are no prefill/decode phases. Every request has ``num_computed_tokens`` catching up to its
+tokens under one token budget per step: running requests first (in priority order), then waiting
+ones while the budget, ``max_num_seqs`` and free blocks allow. Long prompts are cut into chunks.
+When blocks run out, the least important running request (highest priority value, then latest
+arrival) is preempted by recompute: it frees its blocks and returns to the waiting queue, where its
+order key puts it ahead of everything that arrived after it.
+
+Both queues are kept sorted by ``(priority, arrival_seq)``, so the preemption victim is always
+``running[-1]`` and the next request to admit is ``waiting[0]``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+
+from pagellm.config import SchedulerConfig
+from pagellm.engine.kv_cache_manager import KVCacheManager
+from pagellm.engine.outputs import EngineStats, RunnerOutput, ScheduledRequest, SchedulerOutput
+from pagellm.engine.request import FinishReason, Request, RequestStatus
+
+
+def _order(req: Request) -> tuple[int, int]:
+    return (req.priority, req.arrival_seq)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.clock = clock
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.stats = EngineStats()
+        self._finished_ids: list[str] = []
+        self._arrivals = 0
+
+    # ----- queue management -------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        req.arrival_seq = self._arrivals
+        self._arrivals += 1
+        self.requests[req.request_id] = req
+        bisect.insort(self.waiting, req, key=_order)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
+        """Finish (stop, length, abort) a request and free its blocks at once."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        queue = self.running if req.status == RequestStatus.RUNNING else self.waiting
+        if req in queue:
+            queue.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finish_time = self.clock()
+        self._finished_ids.append(request_id)
+        return req
+
+    # ----- scheduling -------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        budget = self._schedule_running(budget, scheduled, preempted)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+        finished, self._finished_ids = self._finished_ids, []
+        self.stats.num_steps += 1
+        return SchedulerOutput(scheduled, finished, preempted)
+
+    def _schedule_running(
+        self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]
+    ) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._make_room(req, num_new, preempted):
+                continue  # req itself was preempted and left ``running``
+            scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _make_room(self, req: Request, num_new: int, preempted: list[str]) -> bool:
+        """Allocate slots for ``req``, preempting from the back of ``running`` as needed."""
+        while not self.kv.allocate_slots(req, num_new):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        bisect.insort(self.waiting, req, key=_order)
+
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if not self._reuse_parent_prompt(req):
+                break
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.kv.allocate_slots(req, num_new):
+                break
+            self.waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = self.clock()
+            bisect.insort(self.running, req, key=_order)
+            scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+
+    def _reuse_parent_prompt(self, req: Request) -> bool:
+        """Copies 2..n of a prompt wait for the first copy's prefill, then share its blocks.
+
+        Returns False while the child should keep waiting. At least one prompt token is always
+        recomputed so that the child has logits to sample its first token from.
+        """
+        if req.parent_id is None or req.num_computed_tokens > 0:
+            return True
+        parent = self.requests.get(req.parent_id)
+        if parent is None or parent.is_finished:
+            req.parent_id = None
+            return True
+        if parent.status != RequestStatus.RUNNING or parent.num_computed_tokens < (
+            req.num_prompt_tokens
+        ):
+            return False
+        req.num_computed_tokens = self.kv.share_prefix(req, parent, req.num_prompt_tokens - 1)
+        req.parent_id = None
+        return True
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        end = start + num_new
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=req.all_token_ids[start:end],
+            start_pos=start,
+            block_ids=self.kv.get_block_ids(req.request_id),
+            sample=end == req.num_tokens,
+            params=req.params,
+            seed=req.seed,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+            eos_token_id=req.eos_token_id,
+        )
+
+    # ----- applying the runner's results ------------------------------------------------
+
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Advance computed tokens, append sampled ones, finish what stopped.
+
+        Returns the requests that got a new token this step (finished ones included).
+        """
+        now = self.clock()
+        touched: list[Request] = []
+        for item in sched.scheduled:
+            req = self.requests.get(item.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += item.num_tokens
+            token = result.sampled.get(item.request_id)
+            if token is None:
+                continue
+            req.append_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            touched.append(req)
+            reason = req.check_stop()
+            if reason is not None:
+                self.finish_request(req.request_id, reason)
+        self._record_stats(sched, len(touched))
+        return touched
+
+    def _record_stats(self, sched: SchedulerOutput, num_sampled: int) -> None:
+        stats = self.stats
+        stats.num_running = len(self.running)
+        stats.num_waiting = len(self.waiting)
+        stats.kv_usage = self.kv.usage()
+        stats.generation_tokens += num_sampled
+        if stats.kv_usage >= stats.peak_kv_usage and self.running:
+            allocated = self.kv.allocated_slots()
+            unfilled = self.kv.unfilled_slots(self.running)
+            stats.peak_kv_usage = stats.kv_usage
+            stats.kv_waste_at_peak = unfilled / allocated if allocated else 0.0

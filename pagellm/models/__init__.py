@@ -1,0 +1,1 @@
+"""Decoder models and the registry keyed by the Hugging Face architecture string."""

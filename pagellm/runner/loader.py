@@ -1,0 +1,97 @@
+"""Load a model (HF directory or GGUF file) with its tokenizer, in the requested dtype."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagellm.fetch import require_default_model
+from pagellm.models.arch import ModelArch
+from pagellm.models.registry import resolve_model_class
+from pagellm.runner.tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    arch: ModelArch
+    model: nn.Module
+    tokenizer: Tokenizer
+    source: Path
+
+
+def resolve_source(model: str | None) -> Path:
+    path = require_default_model() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    return path
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if _cpu_has_bf16() else torch.float32
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    if dtype not in table:
+        raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32 or bfloat16")
+    return table[dtype]
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def read_arch(source: Path) -> tuple[ModelArch, Any]:
+    """The model's shape, and the opened GGUF file (None for an HF directory)."""
+    if source.is_file():
+        from pagellm.runner.gguf_loader import GGUFModel
+
+        gguf_model = GGUFModel(source)
+        return ModelArch.from_hf_config(gguf_model.config), gguf_model
+    config_file = source / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{source} has no config.json (expected an HF model directory)")
+    return ModelArch.from_hf_config(json.loads(config_file.read_text())), None
+
+
+def load_model(source: Path, dtype: torch.dtype, backend: Any) -> nn.Module:
+    arch, gguf_model = read_arch(source)
+    cls = resolve_model_class(arch.architecture)
+    freq_factors = gguf_model.rope_freq_factors() if gguf_model is not None else None
+    with torch.device("meta"):
+        model = cls(arch, backend, freq_factors).to(dtype)
+    model = model.to_empty(device="cpu")
+    weights = gguf_model.tensors() if gguf_model is not None else _safetensors(source)
+    model.load_weights(weights)  # copy_ casts to the model's dtype
+    model.finish_loading()
+    return model.eval()
+
+
+def _safetensors(source: Path):
+    from safetensors import SafetensorsError
+    from safetensors.torch import safe_open
+
+    files = sorted(source.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{source} has no *.safetensors files")
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, f.get_tensor(name)
+        except SafetensorsError as exc:
+            raise ValueError(f"corrupt checkpoint file {file}: {exc}") from exc

@@ -1,0 +1,101 @@
+"""Runs one engine step: SchedulerOutput -> one model forward over the flattened batch -> tokens.
+
+Decode tokens are placed first in the batch (the attention backend attends them together), then
+prefill chunks. Logits are computed only at the positions that sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.attention.backend import SeqLayout, cache_bytes_per_block
+from pagellm.attention.torch_backend import TorchAttentionBackend
+from pagellm.config import GIB, CacheConfig
+from pagellm.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from pagellm.models.arch import ModelArch
+from pagellm.runner.loader import load_model
+from pagellm.runner.malloc import keep_heap_memory
+from pagellm.sampling.sampler import Sampler
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    order: list[ScheduledRequest]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    layouts: list[SeqLayout]
+    sample_rows: list[int]
+    sample_reqs: list[ScheduledRequest]
+
+
+def num_blocks_for(arch: ModelArch, cache: CacheConfig, dtype: torch.dtype) -> int:
+    if cache.num_gpu_blocks_override is not None:
+        return cache.num_gpu_blocks_override
+    per_block = cache_bytes_per_block(
+        arch.num_layers, arch.num_kv_heads, arch.head_dim, cache.block_size, dtype
+    )
+    return int(cache.kv_cache_memory * GIB) // per_block
+
+
+class ModelRunner:
+    def __init__(self, source, arch: ModelArch, dtype: torch.dtype, cache: CacheConfig) -> None:
+        keep_heap_memory()
+        self.arch = arch
+        self.dtype = dtype
+        self.block_size = cache.block_size
+        self.backend = TorchAttentionBackend(
+            arch.num_heads, arch.num_kv_heads, arch.head_dim, cache.block_size, dtype
+        )
+        self.model = load_model(source, dtype, self.backend)
+        self.num_blocks = num_blocks_for(arch, cache, dtype)
+        self.kv_caches = self.backend.allocate_cache(arch.num_layers, self.num_blocks)
+        self.sampler = Sampler()
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self.sampler.forget(sched.finished_request_ids)
+        if sched.is_empty:
+            return RunnerOutput({})
+        inputs = prepare_inputs(sched.scheduled)
+        with torch.inference_mode():
+            meta = self.backend.build_metadata(inputs.layouts, self.num_blocks)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+            if not inputs.sample_rows:
+                return RunnerOutput({})
+            rows = torch.tensor(inputs.sample_rows, dtype=torch.long)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            result = self.sampler.sample(logits, inputs.sample_reqs)
+        sampled = {
+            r.request_id: t for r, t in zip(inputs.sample_reqs, result.token_ids, strict=True)
+        }
+        logprobs = {
+            r.request_id: lp
+            for r, lp in zip(inputs.sample_reqs, result.logprobs, strict=True)
+            if lp is not None
+        }
+        return RunnerOutput(sampled, logprobs)
+
+
+def prepare_inputs(scheduled: list[ScheduledRequest]) -> StepInputs:
+    order = [s for s in scheduled if s.num_tokens == 1] + [s for s in scheduled if s.num_tokens > 1]
+    ids: list[int] = []
+    positions: list[int] = []
+    layouts: list[SeqLayout] = []
+    sample_rows: list[int] = []
+    sample_reqs: list[ScheduledRequest] = []
+    for s in order:
+        ids.extend(s.token_ids)
+        positions.extend(range(s.start_pos, s.start_pos + s.num_tokens))
+        layouts.append(SeqLayout(s.num_tokens, s.start_pos, s.block_ids))
+        if s.sample:
+            sample_rows.append(len(ids) - 1)
+            sample_reqs.append(s)
+    return StepInputs(
+        order,
+        torch.tensor(ids, dtype=torch.long),
+        torch.tensor(positions, dtype=torch.long),
+        layouts,
+        sample_rows,
+        sample_reqs,
+    )

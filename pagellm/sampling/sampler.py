@@ -1,0 +1,142 @@
+"""Sampling: penalties, min_tokens, greedy / temperature / top-k / top-p / min-p, logprobs.
+
+Each request owns a ``torch.Generator`` seeded from its seed, and random numbers are drawn per
+request, so a seeded request gets the same tokens whatever else is in the batch.
+Logprobs are those of the model's raw distribution (before penalties and temperature).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.engine.outputs import ScheduledRequest, TokenLogprobs
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._generators.pop(rid, None)
+
+    def sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> SampleResult:
+        """``logits`` is float32 [len(reqs), vocab]; row i belongs to ``reqs[i]``."""
+        simple = all(
+            r.params.greedy
+            and not r.params.needs_penalties
+            and r.params.logprobs is None
+            and len(r.output_token_ids) >= r.params.min_tokens
+            for r in reqs
+        )
+        if simple:
+            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(reqs))
+        raw = logits
+        logits = logits.clone()
+        for i, req in enumerate(reqs):
+            _apply_penalties(logits[i], req)
+            _apply_min_tokens(logits[i], req)
+        tokens = self._choose(logits, reqs)
+        return SampleResult(tokens, _logprobs(raw, tokens, reqs))
+
+    def _choose(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> list[int]:
+        tokens = logits.argmax(dim=-1).tolist()
+        rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if not rows:
+            return tokens
+        sub = logits[rows]
+        temps = torch.tensor([reqs[i].params.temperature for i in rows], dtype=sub.dtype)
+        sub.div_(temps.unsqueeze(1))
+        _filter_top_k_top_p(sub, [reqs[i] for i in rows])
+        probs = torch.softmax(sub, dim=-1)
+        _filter_min_p(probs, [reqs[i] for i in rows])
+        for j, i in enumerate(rows):
+            noise = torch.empty_like(probs[j]).exponential_(generator=self._generator(reqs[i]))
+            tokens[i] = int(torch.argmax(probs[j] / noise))
+        return tokens
+
+    def _generator(self, req: ScheduledRequest) -> torch.Generator:
+        gen = self._generators.get(req.request_id)
+        if gen is None:
+            gen = torch.Generator()
+            gen.manual_seed(req.seed)
+            self._generators[req.request_id] = gen
+        return gen
+
+
+def _apply_penalties(row: torch.Tensor, req: ScheduledRequest) -> None:
+    p = req.params
+    if not p.needs_penalties:
+        return
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.prompt_token_ids) | set(req.output_token_ids)))
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if req.output_token_ids and (p.frequency_penalty or p.presence_penalty):
+        counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=row.shape[0])
+        counts = counts[: row.shape[0]].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _apply_min_tokens(row: torch.Tensor, req: ScheduledRequest) -> None:
+    if len(req.output_token_ids) >= req.params.min_tokens:
+        return
+    banned = list(req.params.stop_token_ids)
+    if req.eos_token_id is not None:
+        banned.append(req.eos_token_id)
+    if banned:
+        row[torch.tensor(banned)] = float("-inf")
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> None:
+    vocab = logits.shape[-1]
+    ks = [r.params.top_k if r.params.top_k > 0 else vocab for r in reqs]
+    ps = [r.params.top_p for r in reqs]
+    if all(k >= vocab for k in ks) and all(p >= 1.0 for p in ps):
+        return
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    drop = ranks >= torch.tensor(ks).unsqueeze(1)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # keep the smallest prefix whose mass reaches top_p (the token crossing it stays)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= torch.tensor(ps, dtype=probs.dtype).unsqueeze(1)
+    drop[:, 0] = False
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    logits.scatter_(1, order, sorted_logits)
+
+
+def _filter_min_p(probs: torch.Tensor, reqs: list[ScheduledRequest]) -> None:
+    min_ps = [r.params.min_p for r in reqs]
+    if not any(min_ps):
+        return
+    threshold = torch.tensor(min_ps, dtype=probs.dtype).unsqueeze(1) * probs.max(
+        dim=-1
+    ).values.unsqueeze(1)
+    probs.masked_fill_(probs < threshold, 0.0)
+
+
+def _logprobs(
+    raw: torch.Tensor, tokens: list[int], reqs: list[ScheduledRequest]
+) -> list[TokenLogprobs | None]:
+    rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(reqs)
+    if not rows:
+        return result
+    lp = torch.log_softmax(raw[rows], dim=-1)
+    for j, i in enumerate(rows):
+        n = reqs[i].params.logprobs or 0
+        top_vals, top_ids = (
+            lp[j].topk(n) if n else (torch.empty(0), torch.empty(0, dtype=torch.long))
+        )
+        top = list(zip(top_ids.tolist(), top_vals.tolist(), strict=True))
+        result[i] = TokenLogprobs(tokens[i], float(lp[j, tokens[i]]), top)
+    return result
