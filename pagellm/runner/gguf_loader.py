@@ -107,7 +107,9 @@ class GGUFModel:
                 raise ValueError(f"unexpected tensor {t.name!r} in {self.path}")
             shape = tuple(int(d) for d in reversed(t.shape))
             data = gguf.quants.dequantize(t.data, t.tensor_type)
-            tensor = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).reshape(shape)
+            tensor = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(
+                shape
+            )  # writable copy
             if self.arch == "llama" and t.name.endswith("attn_q.weight"):
                 tensor = _unpermute(tensor, heads)
             elif self.arch == "llama" and t.name.endswith("attn_k.weight"):

@@ -82,7 +82,7 @@ def load_model(source: Path, dtype: torch.dtype, backend: Any) -> nn.Module:
 
 
 def _safetensors(source: Path):
-    from safetensors import SafetensorsError
+    from safetensors import SafetensorError
     from safetensors.torch import safe_open
 
     files = sorted(source.glob("*.safetensors"))
@@ -93,5 +93,5 @@ def _safetensors(source: Path):
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     yield name, f.get_tensor(name)
-        except SafetensorsError as exc:
+        except SafetensorError as exc:
             raise ValueError(f"corrupt checkpoint file {file}: {exc}") from exc

@@ -1,0 +1,1 @@
+"""Benchmarks that write JSON and print a table: ``pagellm bench throughput``."""

@@ -1,0 +1,97 @@
+"""Command line: ``pagellm generate | bench``.
+
+Engine flags are derived from the config dataclasses (``max_num_seqs`` -> ``--max-num-seqs``),
+so the CLI, YAML keys and ``LLM(**kwargs)`` always agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from typing import Any
+
+from pagellm.config import flat_fields
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add one ``--flag`` per engine setting (defaults come from the dataclasses)."""
+    group = parser.add_argument_group("engine")
+    for name, field in flat_fields():
+        flag = "--" + name.replace("_", "-")
+        kind = _base_type(field.type)
+        default = field.default if field.default is not dataclasses.MISSING else None
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            group.add_argument(flag, type=kind, default=default)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name, _ in flat_fields()}
+
+
+def _base_type(annotation: Any) -> type:
+    if isinstance(annotation, str):
+        annotation = eval(annotation, {"typing": typing})  # noqa: S307 (our own annotations)
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return args[0]
+    return annotation
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from pagellm.engine.sampling_params import SamplingParams
+    from pagellm.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+    )
+    if args.chat:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    print(outputs[0].outputs[0].text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagellm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap the prompt in the model's chat template (default on)",
+    )
+    add_engine_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks that write JSON and print a table")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from pagellm.bench import throughput
+
+    throughput.add_parser(bench_sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""A scripted fake runner and tokenizer: engine tests without a model (milliseconds)."""
+
+from __future__ import annotations
+
+from pagellm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.engine.outputs import RunnerOutput, SchedulerOutput
+
+
+class FakeRunner:
+    """Samples ``(last token + 1) % vocab`` for every request that samples; records schedules."""
+
+    def __init__(self, num_blocks: int, vocab: int = 1000) -> None:
+        self.num_blocks = num_blocks
+        self.vocab = vocab
+        self.steps: list[SchedulerOutput] = []
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self.steps.append(sched)
+        return RunnerOutput(
+            {s.request_id: (s.token_ids[-1] + 1) % self.vocab for s in sched.scheduled if s.sample}
+        )
+
+
+class FakeTokenizer:
+    """Token t is the text ``"<t>"``; token 2 is EOS."""
+
+    eos_token_id = 2
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [int(w) for w in text.split()]
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"<{t}>" for t in token_ids)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 0.001
+        return self.now
+
+
+def make_engine(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 32,
+    max_model_len: int = 128,
+    chunked: bool = True,
+) -> tuple[LLMEngine, FakeRunner]:
+    config = EngineConfig(
+        ModelConfig(),
+        CacheConfig(block_size=block_size),
+        SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked),
+    )
+    runner = FakeRunner(num_blocks)
+    engine = LLMEngine(config, runner, FakeTokenizer(), max_model_len, 1000, clock=FakeClock())
+    return engine, runner
+
+
+def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict:
+    done = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return done
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    raise AssertionError("engine did not finish")

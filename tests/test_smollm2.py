@@ -1,0 +1,82 @@
+"""End to end on the real default model (SmolLM2-135M-Instruct, GGUF Q4_1), fp32, against
+Hugging Face transformers loading the same GGUF file through its own loader."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from pagellm.fetch import require_default_model
+from reference import compare_greedy, hf_greedy
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in one sentence.",
+    "List three prime numbers.",
+]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", kv_cache_memory=0.25, max_model_len=2048)
+
+
+@pytest.fixture(scope="module")
+def references(llm):
+    import transformers
+
+    path = require_default_model()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    prompts = [llm.tokenizer.chat_token_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
+    return prompts, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+
+
+def test_greedy_matches_transformers_alone_and_in_a_batch(llm, references):
+    prompts, refs = references
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, (prompt, ref) in enumerate(zip(prompts, refs, strict=True)):
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        compare_greedy(out.outputs[0].token_ids, ref, f"alone {i}")
+    filler = [f"Tell me fact number {i} about {w}." for i, w in enumerate(["cats", "Rome"] * 14)]
+    batch = llm.generate(prompts + filler, params, use_tqdm=False)
+    for i, ref in enumerate(refs):
+        compare_greedy(batch[i].outputs[0].token_ids, ref, f"batch {i}")
+
+
+def test_chat_answers_and_stops(llm):
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=64),
+        use_tqdm=False,
+    )[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.metrics.first_token_time >= out.metrics.arrival_time
+
+
+def test_cli_generate():
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagellm.cli",
+        "generate",
+        "What is the capital of France?",
+        "--max-tokens",
+        "24",
+        "--kv-cache-memory",
+        "0.1",
+        "--max-model-len",
+        "1024",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+    assert "Paris" in proc.stdout
