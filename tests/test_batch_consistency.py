@@ -7,9 +7,9 @@ import random
 
 import pytest
 import torch
+from reference import compare_greedy, hf_greedy
 
 from pagellm import LLM, SamplingParams
-from reference import compare_greedy, hf_greedy
 
 NUM_PROMPTS = 32
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import compare_greedy, hf_greedy
 
 from pagellm import LLM, SamplingParams
 from pagellm.attention.backend import SeqLayout
-from reference import compare_greedy, hf_greedy
 
 ARCHS = ["llama", "llama3", "qwen2", "qwen3"]
 

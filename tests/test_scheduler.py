@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from fakes import make_engine, run_to_completion
+
 from pagellm.engine.errors import ContextLengthExceeded, RequestRejected
 from pagellm.engine.sampling_params import SamplingParams
 

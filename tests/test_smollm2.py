@@ -8,10 +8,10 @@ import sys
 
 import pytest
 import torch
+from reference import compare_greedy, hf_greedy
 
 from pagellm import LLM, SamplingParams
 from pagellm.fetch import require_default_model
-from reference import compare_greedy, hf_greedy
 
 pytestmark = pytest.mark.slow
 

@@ -57,6 +57,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--baseline-static-prompts", type=int, default=64)
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
+    )
     p.add_argument("--output-json", default=None, help="write the report JSON here")
     add_engine_args(p)  # brings --model, --dtype, --seed (also seeds the dataset), ...
     p.set_defaults(func=run)
@@ -154,6 +157,10 @@ def run(args: argparse.Namespace) -> int:
     from pagellm.runner.loader import resolve_dtype
 
     _check_args(args)
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
     if args.workload:
         requests = load_workload(args.workload)
     else:
