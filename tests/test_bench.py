@@ -221,3 +221,10 @@ def test_cli_accepts_engine_and_bench_flags() -> None:
     assert args.dataset == "sharegpt" and args.num_prompts == 4 and args.seed == 3
     assert args.max_num_seqs == 8 and args.kv_cache_memory == 0.25 and args.baseline == "hf"
     assert callable(args.func)
+
+
+def test_sharegpt_output_len_override(tmp_path) -> None:
+    entries = [_conv(("human", "q" * (10 + i)), ("gpt", "no")) for i in range(3)]
+    path = _write_sharegpt(tmp_path, entries)
+    reqs = ds.sharegpt_workload(path, CharTokenizer(), num_prompts=3, seed=0, output_len=2)
+    assert [r.output_len for r in reqs] == [2, 2, 2]  # short replies pass when overridden

@@ -172,28 +172,51 @@ class TorchAttentionBackend:
                 qh, keys, values, attn_mask=meta.decode_mask, enable_gqa=True
             )
             return out.view(b, self.num_heads, self.head_dim)
-        # Reduced precision: batched matmuls beat the CPU SDPA kernel; softmax in float32.
-        qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float().mul_(self.scale)
-        scores += meta.decode_mask.view(b, 1, 1, -1)
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out = torch.matmul(probs, values)
+        qg = q.view(b, self.num_kv_heads, self.group, 1, self.head_dim)
+        out = self._grouped_attention(qg, keys, values, meta.decode_mask.view(b, 1, 1, 1, -1))
         return out.view(b, self.num_heads, self.head_dim)
 
+    def _grouped_attention(self, q, keys, values, mask_add) -> torch.Tensor:
+        """Reduced precision: batched matmuls beat the CPU SDPA kernel; softmax in float32.
+
+        q [..., Hkv, G, n, D] against keys/values [..., Hkv, ctx, D]; ``mask_add`` broadcasts
+        onto the scores [..., Hkv, G, n, ctx].
+        """
+        scores = torch.matmul(q, keys.transpose(-1, -2).unsqueeze(-3)).float()
+        scores.mul_(self.scale).add_(mask_add)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, values.unsqueeze(-3))
+
     def _prefill(self, k_cache, v_cache, q, k, v, chunk: PrefillChunk) -> torch.Tensor:
-        n = chunk.num_tokens
-        qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        n, ctx = chunk.num_tokens, chunk.start_pos + chunk.num_tokens
         if chunk.gather_idx is None:
-            kh = k.transpose(0, 1).unsqueeze(0)
-            vh = v.transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, n, D]
         else:
-            ctx = chunk.start_pos + n
-            hkv = self.num_kv_heads
-            kh = self._gather(k_cache, chunk.gather_idx, None).view(1, hkv, -1, self.head_dim)
-            vh = self._gather(v_cache, chunk.gather_idx, None).view(1, hkv, -1, self.head_dim)
-            kh, vh = kh[:, :, :ctx], vh[:, :, :ctx]
-            qpos = torch.arange(chunk.start_pos, ctx).unsqueeze(1)
-            mask = torch.arange(ctx).unsqueeze(0) <= qpos
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
-        return out.squeeze(0).transpose(0, 1)
+            shape = (self.num_kv_heads, -1, self.head_dim)
+            keys = self._gather(k_cache, chunk.gather_idx, None).view(shape)[:, :ctx]
+            values = self._gather(v_cache, chunk.gather_idx, None).view(shape)[:, :ctx]
+        if q.dtype == torch.float32:
+            mask = None
+            if chunk.gather_idx is not None:
+                mask = _causal_mask(chunk.start_pos, n, torch.bool)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0),
+                keys.unsqueeze(0),
+                values.unsqueeze(0),
+                attn_mask=mask,
+                is_causal=mask is None,
+                enable_gqa=True,
+            )
+            return out.squeeze(0).transpose(0, 1)
+        qg = q.view(n, self.num_kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)
+        mask = _causal_mask(chunk.start_pos, n, torch.float32)
+        out = self._grouped_attention(qg, keys, values, mask)  # [Hkv, G, n, D]
+        return out.permute(2, 0, 1, 3).reshape(n, self.num_heads, self.head_dim)
+
+
+def _causal_mask(start: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """[n, start + n]: query i (at position start + i) sees keys at positions <= start + i."""
+    allowed = torch.arange(start + n).unsqueeze(0) <= torch.arange(start, start + n).unsqueeze(1)
+    if dtype == torch.bool:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
