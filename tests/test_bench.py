@@ -228,3 +228,14 @@ def test_sharegpt_output_len_override(tmp_path) -> None:
     path = _write_sharegpt(tmp_path, entries)
     reqs = ds.sharegpt_workload(path, CharTokenizer(), num_prompts=3, seed=0, output_len=2)
     assert [r.output_len for r in reqs] == [2, 2, 2]  # short replies pass when overridden
+
+
+def test_render_names_a_loaded_workload() -> None:
+    config = {"dataset": "random", "workload": "/tmp/w.json", "resolved_dtype": "float32"}
+    text = rep.render(rep.build_report(config, _engine_figures(), None, env=ENV))
+    assert "workload=/tmp/w.json" in text and "dtype=float32" in text
+
+
+def test_current_rss_is_positive_on_linux() -> None:
+    rss = rep.current_rss_mib()
+    assert rss is None or rss > 0

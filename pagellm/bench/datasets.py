@@ -110,17 +110,24 @@ def _first_exchange(turns: list[dict[str, Any]]) -> tuple[str, str] | None:
     return None
 
 
-def is_valid_pair(prompt_len: int, output_len: int) -> bool:
+def is_valid_pair(prompt_len: int, output_len: int, check_output: bool = True) -> bool:
     """vLLM's ShareGPT filter: drop tiny pairs and pairs too long for a 2k context."""
-    too_short = prompt_len < MIN_LEN or output_len < MIN_LEN
+    too_short = prompt_len < MIN_LEN or (check_output and output_len < MIN_LEN)
     too_long = prompt_len > MAX_PROMPT_LEN or prompt_len + output_len > MAX_TOTAL_LEN
     return not (too_short or too_long)
 
 
 def sharegpt_workload(
-    path: str | Path, tokenizer: TokenizerLike, num_prompts: int, seed: int
+    path: str | Path,
+    tokenizer: TokenizerLike,
+    num_prompts: int,
+    seed: int,
+    output_len: int | None = None,
 ) -> list[BenchRequest]:
-    """Shuffle the pairs with ``seed``, then tokenize lazily until ``num_prompts`` pass the filter."""
+    """Shuffle the pairs with ``seed``, then tokenize lazily until ``num_prompts`` pass the filter.
+
+    ``output_len`` (as vLLM's ``--output-len``) replaces every reply's length when given.
+    """
     pairs = sharegpt_pairs(path)
     random.Random(seed).shuffle(pairs)
     requests: list[BenchRequest] = []
@@ -128,9 +135,9 @@ def sharegpt_workload(
         if len(requests) == num_prompts:
             break
         prompt_ids = tokenizer.encode(prompt)
-        output_len = len(tokenizer.encode(reply))
-        if is_valid_pair(len(prompt_ids), output_len):
-            requests.append(BenchRequest(list(prompt_ids), output_len))
+        out_len = output_len if output_len is not None else len(tokenizer.encode(reply))
+        if is_valid_pair(len(prompt_ids), out_len, check_output=output_len is None):
+            requests.append(BenchRequest(list(prompt_ids), out_len))
     if len(requests) < num_prompts:
         raise ValueError(
             f"only {len(requests)} ShareGPT pairs pass the filters; {num_prompts} asked"

@@ -40,6 +40,17 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def current_rss_mib() -> float | None:
+    """Resident set size now (Linux only), to tell a load-time peak from the steady state."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 def git_sha() -> str | None:
     try:
         out = subprocess.run(
@@ -144,17 +155,25 @@ def render(report: dict[str, Any]) -> str:
         rows.append(_row("hf single", base["hf_single"]))
     if base["hf_static"]:
         rows.append(_row(f"hf static (bs {base['hf_static']['batch_size']})", base["hf_static"]))
+    source = (
+        f"workload={cfg['workload']}" if cfg.get("workload") else f"dataset={cfg.get('dataset')}"
+    )
     lines = [
-        f"pagellm bench throughput: dataset={cfg.get('dataset')} dtype={cfg.get('dtype')} "
+        f"pagellm bench throughput: {source} dtype={cfg.get('resolved_dtype', cfg.get('dtype'))} "
         f"threads={report.get('num_threads')} torch={report.get('torch_version')}",
         format_table(_HEADERS, rows),
-        f"pagellm: peak memory {engine['peak_memory_mib']:.0f} MiB, "
+        f"pagellm: peak memory {engine['peak_memory_mib']:.0f} MiB{_rss_after(engine)}, "
         f"peak KV usage {100 * engine['peak_kv_usage_frac']:.1f}%, "
         f"KV waste at peak {100 * engine['kv_waste_frac']:.1f}%, "
         f"preemptions {engine['num_preemptions']}, steps {engine['num_steps']}",
     ]
     lines += _ratio_lines(report)
     return "\n".join(lines)
+
+
+def _rss_after(engine: dict[str, Any]) -> str:
+    rss = engine.get("rss_after_run_mib")
+    return f" ({rss:.0f} MiB after the run)" if rss is not None else ""
 
 
 def _ratio_lines(report: dict[str, Any]) -> list[str]:

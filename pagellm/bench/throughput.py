@@ -26,6 +26,9 @@ from pagellm.bench.datasets import (
     workload_summary,
 )
 
+DEFAULT_LEN = 128
+"""Random prompts' input and output length when not given."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WorkloadSpec:
@@ -33,8 +36,8 @@ class WorkloadSpec:
 
     dataset: str
     num_prompts: int
-    input_len: int
-    output_len: int
+    input_len: int | None
+    output_len: int | None
     seed: int
     tokenizer_source: str | None
     dataset_path: str | None = None
@@ -47,8 +50,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("throughput", help="offline throughput (one generate over N prompts)")
     p.add_argument("--dataset", choices=["random", "sharegpt"], default="random")
     p.add_argument("--dataset-path", default=None, help="ShareGPT JSON (default: fetched copy)")
-    p.add_argument("--input-len", type=int, default=128, help="random: prompt length")
-    p.add_argument("--output-len", type=int, default=128, help="random: output length")
+    p.add_argument("--input-len", type=int, default=None, help="random: prompt length (128)")
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="output length (random: default 128; sharegpt: default each reply's own length)",
+    )
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--workload", default=None, help="load a saved workload instead of building")
     p.add_argument("--save-workload", default=None, help="write the workload JSON here")
@@ -73,11 +81,13 @@ def build_workload(spec: WorkloadSpec) -> list[dict[str, Any]]:
 
     tokenizer = Tokenizer.load(resolve_source(spec.tokenizer_source), None)
     if spec.dataset == "random":
-        reqs = random_workload(
-            spec.num_prompts, spec.input_len, spec.output_len, tokenizer.vocab_size, spec.seed
-        )
+        in_len = spec.input_len or DEFAULT_LEN
+        out_len = spec.output_len or DEFAULT_LEN
+        reqs = random_workload(spec.num_prompts, in_len, out_len, tokenizer.vocab_size, spec.seed)
     else:
-        reqs = sharegpt_workload(spec.dataset_path, tokenizer, spec.num_prompts, spec.seed)
+        reqs = sharegpt_workload(
+            spec.dataset_path, tokenizer, spec.num_prompts, spec.seed, spec.output_len
+        )
     return [r.to_json() for r in reqs]
 
 
@@ -110,7 +120,9 @@ def run_engine(llm: Any, requests: list[BenchRequest], progress: bool = True) ->
     from pagellm import SamplingParams
 
     warm = [r.prompt_token_ids[:16] for r in requests[:2]]
-    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), False)
+    llm.generate(
+        warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
     before = _reset_peaks(llm.get_stats())
     params = [
         SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests
@@ -121,6 +133,7 @@ def run_engine(llm: Any, requests: list[BenchRequest], progress: bool = True) ->
     stats = llm.get_stats()
     extra = {
         "peak_memory_mib": rep.peak_rss_mib(),
+        "rss_after_run_mib": rep.current_rss_mib(),
         "peak_kv_usage_frac": stats.peak_kv_usage,
         "kv_waste_frac": stats.kv_waste_at_peak,
         "num_preemptions": stats.num_preemptions - before.num_preemptions,
@@ -144,8 +157,8 @@ def _reset_peaks(stats: Any) -> Any:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    positive = ["num_prompts", "input_len", "output_len", "hf_batch_size"]
-    bad = [name for name in positive if getattr(args, name) < 1]
+    positive = ["num_prompts", "input_len", "output_len", "hf_batch_size", "num_threads"]
+    bad = [name for name in positive if getattr(args, name) is not None and getattr(args, name) < 1]
     if bad:
         raise SystemExit(f"pagellm bench throughput: must be >= 1: {', '.join(bad)}")
 
@@ -161,12 +174,7 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.num_threads)
-    if args.workload:
-        requests = load_workload(args.workload)
-    else:
-        requests = build_workload_isolated(_spec_from_args(args))
-    if args.save_workload:
-        save_workload(args.save_workload, requests)
+    requests = _load_requests(args)
     llm = LLM(**engine_kwargs(args))
     engine = run_engine(llm, requests, args.progress)
     del llm
@@ -183,6 +191,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.output_json}")
     _warn_short_outputs(engine)
     return 0
+
+
+def _load_requests(args: argparse.Namespace) -> list[BenchRequest]:
+    if args.workload:
+        requests = load_workload(args.workload)
+    else:
+        requests = build_workload_isolated(_spec_from_args(args))
+    if not requests:
+        raise SystemExit("pagellm bench throughput: the workload is empty")
+    if args.save_workload:
+        save_workload(args.save_workload, requests)
+    return requests
 
 
 def _run_baseline(args: argparse.Namespace, requests: list[BenchRequest]) -> dict[str, Any]:
