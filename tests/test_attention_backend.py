@@ -7,6 +7,7 @@ import torch
 
 from pagellm.attention.backend import SeqLayout
 from pagellm.attention.torch_backend import TorchAttentionBackend
+from pagellm.kernels.paged_attention import load_paged_decode_kernel
 
 HQ, HKV, D, BS, NUM_BLOCKS = 6, 2, 16, 4, 64
 
@@ -22,10 +23,15 @@ def _naive(q, k, v):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, HQ * D)
 
 
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "cpp-kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_batch_matches_naive_attention(dtype):
+def test_mixed_batch_matches_naive_attention(dtype, use_kernel):
     gen = torch.Generator().manual_seed(0)
-    backend = TorchAttentionBackend(HQ, HKV, D, BS, dtype)
+    kernel = load_paged_decode_kernel() if use_kernel else None
+    if use_kernel:
+        assert kernel is not None, "the C++ kernel must build on this machine (g++ is required)"
+    backend = TorchAttentionBackend(HQ, HKV, D, BS, dtype, decode_kernel=kernel)
+    assert (backend.decode_kernel is not None) == use_kernel
     (cache,) = backend.allocate_cache(1, NUM_BLOCKS)
     # (context already cached, new tokens): two decodes, a prefill with a prefix, a fresh prefill
     shapes = [(9, 1), (3, 1), (6, 7), (0, 10)]

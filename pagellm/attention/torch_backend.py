@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.attention.backend import SeqLayout
+from pagellm.kernels.paged_attention import PagedDecodeKernel
 
 
 @dataclass(slots=True)
@@ -37,6 +38,9 @@ class TorchAttentionMetadata:
     prefills: list[PrefillChunk]
     k_buf: torch.Tensor | None
     v_buf: torch.Tensor | None
+    decode_block_tables: torch.Tensor | None = None
+    """int32 [decodes, max_blocks], for the C++ kernel (which reads the cache in place)."""
+    decode_context_lens: torch.Tensor | None = None
 
 
 class TorchAttentionBackend:
@@ -47,7 +51,11 @@ class TorchAttentionBackend:
         head_dim: int,
         block_size: int,
         dtype: torch.dtype,
+        decode_kernel: PagedDecodeKernel | None = None,
     ) -> None:
+        self.decode_kernel = (
+            decode_kernel if decode_kernel and decode_kernel.supports(dtype) else None
+        )
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
@@ -99,6 +107,11 @@ class TorchAttentionBackend:
         table = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
         for i, seq in enumerate(decodes):
             table[i, : len(seq.block_ids)] = torch.tensor(seq.block_ids, dtype=torch.long)
+        if self.decode_kernel is not None:
+            meta.decode_block_tables = table.to(torch.int32)
+            lens = [s.start_pos + 1 for s in decodes]
+            meta.decode_context_lens = torch.tensor(lens, dtype=torch.int32)
+            return
         head_offsets = torch.arange(self.num_kv_heads, dtype=torch.long) * num_blocks
         meta.decode_gather_idx = (head_offsets.view(1, -1, 1) + table.unsqueeze(1)).reshape(-1)
         context = max_blocks * bs
@@ -163,6 +176,18 @@ class TorchAttentionBackend:
 
     def _decode(self, k_cache, v_cache, q: torch.Tensor, meta: TorchAttentionMetadata):
         b = q.shape[0]
+        if meta.decode_block_tables is not None:
+            out = torch.empty_like(q)
+            self.decode_kernel(
+                q.contiguous(),
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                out,
+                self.scale,
+            )
+            return out
         self._gather(k_cache, meta.decode_gather_idx, meta.k_buf)
         self._gather(v_cache, meta.decode_gather_idx, meta.v_buf)
         keys, values = meta.k_buf, meta.v_buf  # [B, Hkv, L, D]
@@ -172,20 +197,21 @@ class TorchAttentionBackend:
                 qh, keys, values, attn_mask=meta.decode_mask, enable_gqa=True
             )
             return out.view(b, self.num_heads, self.head_dim)
-        qg = q.view(b, self.num_kv_heads, self.group, 1, self.head_dim)
-        out = self._grouped_attention(qg, keys, values, meta.decode_mask.view(b, 1, 1, 1, -1))
+        qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
+        out = self._grouped_attention(qg, keys, values, meta.decode_mask)
         return out.view(b, self.num_heads, self.head_dim)
 
     def _grouped_attention(self, q, keys, values, mask_add) -> torch.Tensor:
         """Reduced precision: batched matmuls beat the CPU SDPA kernel; softmax in float32.
 
-        q [..., Hkv, G, n, D] against keys/values [..., Hkv, ctx, D]; ``mask_add`` broadcasts
-        onto the scores [..., Hkv, G, n, ctx].
+        q [..., Hkv, M, D] (M = the query heads of a KV head x query tokens) against keys and
+        values [..., Hkv, ctx, D]; ``mask_add`` broadcasts onto the scores [..., Hkv, M, ctx].
+        Folding the group into M keeps each product one plain batched GEMM (no broadcast copy).
         """
-        scores = torch.matmul(q, keys.transpose(-1, -2).unsqueeze(-3)).float()
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float()
         scores.mul_(self.scale).add_(mask_add)
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        return torch.matmul(probs, values.unsqueeze(-3))
+        return torch.matmul(probs, values)
 
     def _prefill(self, k_cache, v_cache, q, k, v, chunk: PrefillChunk) -> torch.Tensor:
         n, ctx = chunk.num_tokens, chunk.start_pos + chunk.num_tokens
@@ -209,8 +235,10 @@ class TorchAttentionBackend:
             )
             return out.squeeze(0).transpose(0, 1)
         qg = q.view(n, self.num_kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)
-        mask = _causal_mask(chunk.start_pos, n, torch.float32)
-        out = self._grouped_attention(qg, keys, values, mask)  # [Hkv, G, n, D]
+        qg = qg.reshape(self.num_kv_heads, self.group * n, self.head_dim)
+        mask = _causal_mask(chunk.start_pos, n, torch.float32).repeat(self.group, 1)
+        out = self._grouped_attention(qg, keys, values, mask)  # [Hkv, G * n, D]
+        out = out.view(self.num_kv_heads, self.group, n, self.head_dim)
         return out.permute(2, 0, 1, 3).reshape(n, self.num_heads, self.head_dim)
 
 

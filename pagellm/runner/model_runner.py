@@ -14,6 +14,7 @@ from pagellm.attention.backend import SeqLayout, cache_bytes_per_block
 from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.config import GIB, CacheConfig
 from pagellm.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from pagellm.kernels.paged_attention import load_paged_decode_kernel
 from pagellm.models.arch import ModelArch
 from pagellm.runner.loader import load_model
 from pagellm.runner.malloc import keep_heap_memory
@@ -46,7 +47,12 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = cache.block_size
         self.backend = TorchAttentionBackend(
-            arch.num_heads, arch.num_kv_heads, arch.head_dim, cache.block_size, dtype
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+            cache.block_size,
+            dtype,
+            decode_kernel=load_paged_decode_kernel(),
         )
         self.model = load_model(source, dtype, self.backend)
         self.num_blocks = num_blocks_for(arch, cache, dtype)

@@ -1,0 +1,263 @@
+// Paged decode attention for the CPU: one query token per sequence, reading K/V straight from
+// the block-paged cache (no gathered copy). Layout of each cache: [kv_heads, blocks, block, dim].
+// Work is split over (sequence, kv head) pairs on a few std::threads; each pair handles the
+// `group` query heads that share its KV head. Scores and accumulation are float32.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+#include <algorithm>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void store(float* dst, float x) { *dst = x; }
+inline void store(uint16_t* dst, float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
+  *dst = static_cast<uint16_t>(u >> 16);
+}
+
+struct Args {
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  const int32_t* block_tables;
+  const int32_t* context_lens;
+  void* out;
+  int batch, num_heads, num_kv_heads, head_dim, num_blocks, block_size, max_blocks;
+  float scale;
+};
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// e^x for x <= 0 (softmax inputs after subtracting the max): 2^(x log2 e) split into 2^n * 2^f,
+// with 2^f from its degree-7 Taylor series on |f| <= 0.5 (relative error ~5e-9).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline void prefetch_block(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
+inline __mmask16 tail_mask(int remaining) {
+  return remaining >= 16 ? static_cast<__mmask16>(0xFFFF)
+                         : static_cast<__mmask16>((1u << remaining) - 1u);
+}
+
+void softmax_avx512(float* s, int n) {
+  __m512 vmax = _mm512_set1_ps(-3.0e38f);
+  for (int j = 0; j < n; j += 16) {
+    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail_mask(n - j), s + j));
+  }
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  __m512 vsum = _mm512_setzero_ps();
+  for (int j = 0; j < n; j += 16) {
+    const __mmask16 m = tail_mask(n - j);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mx));
+    _mm512_mask_storeu_ps(s + j, m, e);
+    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+  for (int j = 0; j < n; j += 16) {
+    const __mmask16 m = tail_mask(n - j);
+    _mm512_mask_storeu_ps(s + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), inv));
+  }
+}
+
+// Vectorized pair: head_dim = 16 * W (W <= 8), group <= 16. q rows and the output accumulators
+// live in registers/L1; every K and V row of the context is read exactly once.
+template <typename T>
+void attend_pair_avx512(const Args& a, int b, int kvh, std::vector<float>& scores,
+                        std::vector<float>& acc_buf) {
+  const int group = a.num_heads / a.num_kv_heads;
+  const int d = a.head_dim;
+  const int w = d / 16;
+  const int ctx = a.context_lens[b];
+  const T* q = static_cast<const T*>(a.q) + (static_cast<int64_t>(b) * a.num_heads + kvh * group) * d;
+  const T* kc = static_cast<const T*>(a.k_cache);
+  const T* vc = static_cast<const T*>(a.v_cache);
+  const int32_t* table = a.block_tables + static_cast<int64_t>(b) * a.max_blocks;
+  const int64_t head_base = static_cast<int64_t>(kvh) * a.num_blocks * a.block_size;
+  __m512 qv[16 * 8];
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int g = 0; g < group; ++g)
+    for (int x = 0; x < w; ++x) qv[g * w + x] = _mm512_mul_ps(load16(q + g * d + x * 16), scale);
+  scores.resize(static_cast<size_t>(group) * ctx);
+  const int64_t block_bytes = static_cast<int64_t>(a.block_size) * d * sizeof(T);
+  const int num_ctx_blocks = (ctx + a.block_size - 1) / a.block_size;
+  for (int blk = 0; blk < std::min(2, num_ctx_blocks); ++blk) {
+    prefetch_block(kc + (head_base + static_cast<int64_t>(table[blk]) * a.block_size) * d,
+                   block_bytes);
+  }
+  // Walk the context block by block (no integer division per row); blocks lie at random places
+  // in the cache, so the block after next is prefetched while this one is computed.
+  for (int j0 = 0, blk = 0; j0 < ctx; j0 += a.block_size, ++blk) {
+   const T* kblock = kc + (head_base + static_cast<int64_t>(table[blk]) * a.block_size) * d;
+   if (j0 + 2 * a.block_size < ctx) {
+     prefetch_block(kc + (head_base + static_cast<int64_t>(table[blk + 2]) * a.block_size) * d,
+                    block_bytes);
+   }
+   const int rows = std::min(a.block_size, ctx - j0);
+   for (int r = 0; r < rows; ++r) {
+    const int j = j0 + r;
+    const T* k = kblock + static_cast<int64_t>(r) * d;
+    __m512 kv[8];
+    for (int x = 0; x < w; ++x) kv[x] = load16(k + x * 16);
+    for (int g = 0; g < group; ++g) {
+      __m512 s = _mm512_mul_ps(qv[g * w], kv[0]);
+      for (int x = 1; x < w; ++x) s = _mm512_fmadd_ps(qv[g * w + x], kv[x], s);
+      scores[static_cast<size_t>(g) * ctx + j] = _mm512_reduce_add_ps(s);
+    }
+   }
+  }
+  for (int g = 0; g < group; ++g) softmax_avx512(scores.data() + static_cast<size_t>(g) * ctx, ctx);
+  for (int blk = 0; blk < std::min(2, num_ctx_blocks); ++blk) {
+    prefetch_block(vc + (head_base + static_cast<int64_t>(table[blk]) * a.block_size) * d,
+                   block_bytes);
+  }
+  __m512 acc[16 * 8];
+  for (int i = 0; i < group * w; ++i) acc[i] = _mm512_setzero_ps();
+  for (int j0 = 0, blk = 0; j0 < ctx; j0 += a.block_size, ++blk) {
+   const T* vblock = vc + (head_base + static_cast<int64_t>(table[blk]) * a.block_size) * d;
+   if (j0 + 2 * a.block_size < ctx) {
+     prefetch_block(vc + (head_base + static_cast<int64_t>(table[blk + 2]) * a.block_size) * d,
+                    block_bytes);
+   }
+   const int rows = std::min(a.block_size, ctx - j0);
+   for (int r = 0; r < rows; ++r) {
+    const int j = j0 + r;
+    const T* v = vblock + static_cast<int64_t>(r) * d;
+    __m512 vv[8];
+    for (int x = 0; x < w; ++x) vv[x] = load16(v + x * 16);
+    for (int g = 0; g < group; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[static_cast<size_t>(g) * ctx + j]);
+      for (int x = 0; x < w; ++x) acc[g * w + x] = _mm512_fmadd_ps(p, vv[x], acc[g * w + x]);
+    }
+   }
+  }
+  acc_buf.resize(static_cast<size_t>(group) * d);
+  for (int i = 0; i < group * w; ++i) _mm512_storeu_ps(acc_buf.data() + i * 16, acc[i]);
+  T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.num_heads + kvh * group) * d;
+  for (int i = 0; i < group * d; ++i) store(out + i, acc_buf[i]);
+}
+#endif
+
+template <typename T>
+void attend_pair(const Args& a, int b, int kvh, std::vector<float>& scores,
+                 std::vector<float>& acc, std::vector<float>& qf) {
+  const int group = a.num_heads / a.num_kv_heads;
+  const int d = a.head_dim;
+  const int ctx = a.context_lens[b];
+  const T* q = static_cast<const T*>(a.q) + (static_cast<int64_t>(b) * a.num_heads + kvh * group) * d;
+  const T* kc = static_cast<const T*>(a.k_cache);
+  const T* vc = static_cast<const T*>(a.v_cache);
+  const int32_t* table = a.block_tables + static_cast<int64_t>(b) * a.max_blocks;
+  const int64_t head_base = static_cast<int64_t>(kvh) * a.num_blocks * a.block_size;
+  scores.assign(static_cast<size_t>(group) * ctx, 0.f);
+  acc.assign(static_cast<size_t>(group) * d, 0.f);
+  qf.resize(static_cast<size_t>(group) * d);
+  for (int i = 0; i < group * d; ++i) qf[i] = to_float(q[i]) * a.scale;
+
+  for (int j = 0; j < ctx; ++j) {
+    const int64_t row = (head_base + static_cast<int64_t>(table[j / a.block_size]) * a.block_size +
+                         j % a.block_size) * d;
+    const T* k = kc + row;
+    for (int g = 0; g < group; ++g) {
+      const float* qg = qf.data() + g * d;
+      float s = 0.f;
+      for (int x = 0; x < d; ++x) s += qg[x] * to_float(k[x]);
+      scores[static_cast<size_t>(g) * ctx + j] = s;
+    }
+  }
+  for (int g = 0; g < group; ++g) softmax_avx512(scores.data() + static_cast<size_t>(g) * ctx, ctx);
+  for (int j = 0; j < ctx; ++j) {
+    const int64_t row = (head_base + static_cast<int64_t>(table[j / a.block_size]) * a.block_size +
+                         j % a.block_size) * d;
+    const T* v = vc + row;
+    for (int g = 0; g < group; ++g) {
+      const float p = scores[static_cast<size_t>(g) * ctx + j];
+      float* ag = acc.data() + g * d;
+      for (int x = 0; x < d; ++x) ag[x] += p * to_float(v[x]);
+    }
+  }
+  T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.num_heads + kvh * group) * d;
+  for (int i = 0; i < group * d; ++i) store(out + i, acc[i]);
+}
+
+template <typename T>
+void run(const Args& a, int num_threads) {
+  const int pairs = a.batch * a.num_kv_heads;
+  const int group = a.num_heads / a.num_kv_heads;
+  bool vectorized = false;
+#if defined(__AVX512F__)
+  vectorized = a.head_dim % 16 == 0 && a.head_dim / 16 <= 8 && group <= 16;
+#endif
+  auto worker = [&a, pairs, &num_threads, vectorized](int t) {
+    std::vector<float> scores, acc, qf;
+    for (int p = t; p < pairs; p += num_threads) {
+#if defined(__AVX512F__)
+      if (vectorized) {
+        attend_pair_avx512<T>(a, p / a.num_kv_heads, p % a.num_kv_heads, scores, acc);
+        continue;
+      }
+#endif
+      attend_pair<T>(a, p / a.num_kv_heads, p % a.num_kv_heads, scores, acc, qf);
+    }
+  };
+  num_threads = std::max(1, std::min(num_threads, pairs));
+  std::vector<std::thread> threads;
+  for (int t = 1; t < num_threads; ++t) threads.emplace_back(worker, t);
+  worker(0);
+  for (auto& th : threads) th.join();
+}
+
+}  // namespace
+
+extern "C" int paged_decode_attention(
+    int dtype_code,  // 0 = float32, 1 = bfloat16
+    const void* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,
+    const int32_t* context_lens, void* out, int batch, int num_heads, int num_kv_heads,
+    int head_dim, int num_blocks, int block_size, int max_blocks, float scale, int num_threads) {
+  Args a{q, k_cache, v_cache, block_tables, context_lens, out, batch, num_heads, num_kv_heads,
+         head_dim, num_blocks, block_size, max_blocks, scale};
+  if (num_heads % num_kv_heads != 0) return 1;
+  if (dtype_code == 0) {
+    run<float>(a, num_threads);
+  } else if (dtype_code == 1) {
+    run<uint16_t>(a, num_threads);
+  } else {
+    return 2;
+  }
+  return 0;
+}

@@ -1,0 +1,74 @@
+"""Python face of the C++ paged decode-attention kernel (see paged_attention.cpp)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pagellm.kernels.cpu_build import build_library
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class PagedDecodeKernel:
+    """out[b] = softmax(q[b] . K[b]^T * scale) V[b], K/V read through ``block_tables``."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.paged_decode_attention
+        fn.restype = ctypes.c_int
+        fn.argtypes = (
+            [ctypes.c_int]
+            + [ctypes.c_void_p] * 6
+            + [ctypes.c_int] * 7
+            + [
+                ctypes.c_float,
+                ctypes.c_int,
+            ]
+        )
+        self._fn = fn
+
+    @staticmethod
+    def supports(dtype: torch.dtype) -> bool:
+        return dtype in _DTYPE_CODES
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """q/out [B, Hq, D]; caches [Hkv, blocks, block_size, D]; int32 tables [B, max_blocks]."""
+        assert q.is_contiguous() and out.is_contiguous() and block_tables.is_contiguous()
+        assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
+        b, hq, d = q.shape
+        hkv, nb, bs, _ = k_cache.shape
+        rc = self._fn(
+            _DTYPE_CODES[q.dtype],
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            context_lens.data_ptr(),
+            out.data_ptr(),
+            b,
+            hq,
+            hkv,
+            d,
+            nb,
+            bs,
+            block_tables.shape[1],
+            scale,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"paged_decode_attention failed with code {rc}")
+
+
+def load_paged_decode_kernel() -> PagedDecodeKernel | None:
+    lib = build_library("paged_attention.cpp")
+    return PagedDecodeKernel(lib) if lib is not None else None
