@@ -42,6 +42,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="off by default, as in pagellm",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.5,
+        help="on vLLM's CPU backend: the fraction of the NUMA node's memory it reserves",
+    )
     return p.parse_args(argv)
 
 
@@ -122,6 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in workload]
     params = [

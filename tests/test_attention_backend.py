@@ -9,12 +9,12 @@ from pagellm.attention.backend import SeqLayout
 from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.kernels.paged_attention import load_paged_decode_kernel
 
-HQ, HKV, D, BS, NUM_BLOCKS = 6, 2, 16, 4, 64
+HQ, HKV, BS, NUM_BLOCKS = 6, 2, 4, 128
 
 
 def _naive(q, k, v):
     """q [n, Hq, D] at the last n positions of k/v [ctx, Hkv, D]; causal."""
-    n, ctx = q.shape[0], k.shape[0]
+    n, ctx, D = q.shape[0], k.shape[0], q.shape[-1]
     k = k.repeat_interleave(HQ // HKV, dim=1)
     v = v.repeat_interleave(HQ // HKV, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / D**0.5
@@ -23,9 +23,10 @@ def _naive(q, k, v):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, HQ * D)
 
 
+@pytest.mark.parametrize("D", [16, 64, 128])  # 64 and 128 take the kernel's AVX-512 path
 @pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "cpp-kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_batch_matches_naive_attention(dtype, use_kernel):
+def test_mixed_batch_matches_naive_attention(dtype, use_kernel, D):
     gen = torch.Generator().manual_seed(0)
     kernel = load_paged_decode_kernel() if use_kernel else None
     if use_kernel:
@@ -34,7 +35,7 @@ def test_mixed_batch_matches_naive_attention(dtype, use_kernel):
     assert (backend.decode_kernel is not None) == use_kernel
     (cache,) = backend.allocate_cache(1, NUM_BLOCKS)
     # (context already cached, new tokens): two decodes, a prefill with a prefix, a fresh prefill
-    shapes = [(9, 1), (3, 1), (6, 7), (0, 10)]
+    shapes = [(9, 1), (3, 1), (70, 1), (0, 1), (6, 7), (0, 10)]
     free = list(range(NUM_BLOCKS))[::-1]
     seqs, full_k, full_v = [], [], []
     for cached, new in shapes:

@@ -70,6 +70,17 @@ inline void prefetch_block(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
+// [sum(a), sum(b), sum(c), sum(d)] with one shared shuffle tree instead of four reductions.
+inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 lanes = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm_add_ps(
+      _mm_add_ps(_mm512_extractf32x4_ps(lanes, 0), _mm512_extractf32x4_ps(lanes, 1)),
+      _mm_add_ps(_mm512_extractf32x4_ps(lanes, 2), _mm512_extractf32x4_ps(lanes, 3)));
+}
+
 inline __mmask16 tail_mask(int remaining) {
   return remaining >= 16 ? static_cast<__mmask16>(0xFFFF)
                          : static_cast<__mmask16>((1u << remaining) - 1u);
@@ -97,19 +108,21 @@ void softmax_avx512(float* s, int n) {
 
 // Vectorized pair: head_dim = 16 * W (W <= 8), group <= 16. q rows and the output accumulators
 // live in registers/L1; every K and V row of the context is read exactly once.
-template <typename T>
+// W = head_dim / 16 and G = the group size are compile-time so that the loops over them unroll
+// and the query rows and accumulators stay in registers.
+template <typename T, int W, int G>
 void attend_pair_avx512(const Args& a, int b, int kvh, std::vector<float>& scores,
                         std::vector<float>& acc_buf) {
-  const int group = a.num_heads / a.num_kv_heads;
+  constexpr int group = G;
+  constexpr int w = W;
   const int d = a.head_dim;
-  const int w = d / 16;
   const int ctx = a.context_lens[b];
   const T* q = static_cast<const T*>(a.q) + (static_cast<int64_t>(b) * a.num_heads + kvh * group) * d;
   const T* kc = static_cast<const T*>(a.k_cache);
   const T* vc = static_cast<const T*>(a.v_cache);
   const int32_t* table = a.block_tables + static_cast<int64_t>(b) * a.max_blocks;
   const int64_t head_base = static_cast<int64_t>(kvh) * a.num_blocks * a.block_size;
-  __m512 qv[16 * 8];
+  __m512 qv[G * W];
   const __m512 scale = _mm512_set1_ps(a.scale);
   for (int g = 0; g < group; ++g)
     for (int x = 0; x < w; ++x) qv[g * w + x] = _mm512_mul_ps(load16(q + g * d + x * 16), scale);
@@ -129,10 +142,25 @@ void attend_pair_avx512(const Args& a, int b, int kvh, std::vector<float>& score
                     block_bytes);
    }
    const int rows = std::min(a.block_size, ctx - j0);
-   for (int r = 0; r < rows; ++r) {
+   int r = 0;
+   for (; r + 4 <= rows; r += 4) {  // four keys at a time: one shared reduction
+    __m512 kv[4][W];
+    for (int i = 0; i < 4; ++i)
+      for (int x = 0; x < w; ++x) kv[i][x] = load16(kblock + static_cast<int64_t>(r + i) * d + x * 16);
+    for (int g = 0; g < group; ++g) {
+      __m512 s4[4];
+      for (int i = 0; i < 4; ++i) {
+        s4[i] = _mm512_mul_ps(qv[g * w], kv[i][0]);
+        for (int x = 1; x < w; ++x) s4[i] = _mm512_fmadd_ps(qv[g * w + x], kv[i][x], s4[i]);
+      }
+      _mm_storeu_ps(scores.data() + static_cast<size_t>(g) * ctx + j0 + r,
+                    hsum4(s4[0], s4[1], s4[2], s4[3]));
+    }
+   }
+   for (; r < rows; ++r) {
     const int j = j0 + r;
     const T* k = kblock + static_cast<int64_t>(r) * d;
-    __m512 kv[8];
+    __m512 kv[W];
     for (int x = 0; x < w; ++x) kv[x] = load16(k + x * 16);
     for (int g = 0; g < group; ++g) {
       __m512 s = _mm512_mul_ps(qv[g * w], kv[0]);
@@ -146,7 +174,7 @@ void attend_pair_avx512(const Args& a, int b, int kvh, std::vector<float>& score
     prefetch_block(vc + (head_base + static_cast<int64_t>(table[blk]) * a.block_size) * d,
                    block_bytes);
   }
-  __m512 acc[16 * 8];
+  __m512 acc[G * W];
   for (int i = 0; i < group * w; ++i) acc[i] = _mm512_setzero_ps();
   for (int j0 = 0, blk = 0; j0 < ctx; j0 += a.block_size, ++blk) {
    const T* vblock = vc + (head_base + static_cast<int64_t>(table[blk]) * a.block_size) * d;
@@ -158,7 +186,7 @@ void attend_pair_avx512(const Args& a, int b, int kvh, std::vector<float>& score
    for (int r = 0; r < rows; ++r) {
     const int j = j0 + r;
     const T* v = vblock + static_cast<int64_t>(r) * d;
-    __m512 vv[8];
+    __m512 vv[W];
     for (int x = 0; x < w; ++x) vv[x] = load16(v + x * 16);
     for (int g = 0; g < group; ++g) {
       const __m512 p = _mm512_set1_ps(scores[static_cast<size_t>(g) * ctx + j]);
@@ -170,6 +198,30 @@ void attend_pair_avx512(const Args& a, int b, int kvh, std::vector<float>& score
   for (int i = 0; i < group * w; ++i) _mm512_storeu_ps(acc_buf.data() + i * 16, acc[i]);
   T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.num_heads + kvh * group) * d;
   for (int i = 0; i < group * d; ++i) store(out + i, acc_buf[i]);
+}
+
+template <typename T, int W>
+void (*pick_group(int group))(const Args&, int, int, std::vector<float>&, std::vector<float>&) {
+  switch (group) {
+    case 1: return attend_pair_avx512<T, W, 1>;
+    case 2: return attend_pair_avx512<T, W, 2>;
+    case 3: return attend_pair_avx512<T, W, 3>;
+    case 4: return attend_pair_avx512<T, W, 4>;
+    case 5: return attend_pair_avx512<T, W, 5>;
+    case 6: return attend_pair_avx512<T, W, 6>;
+    case 7: return attend_pair_avx512<T, W, 7>;
+    case 8: return attend_pair_avx512<T, W, 8>;
+    default: return nullptr;
+  }
+}
+
+// The vectorized pair for this shape, or nullptr (then the portable loop runs).
+template <typename T>
+void (*pick_avx512(int head_dim, int group))(const Args&, int, int, std::vector<float>&,
+                                              std::vector<float>&) {
+  if (head_dim == 64) return pick_group<T, 4>(group);
+  if (head_dim == 128) return pick_group<T, 8>(group);
+  return nullptr;
 }
 #endif
 
@@ -218,21 +270,19 @@ void attend_pair(const Args& a, int b, int kvh, std::vector<float>& scores,
 template <typename T>
 void run(const Args& a, int num_threads) {
   const int pairs = a.batch * a.num_kv_heads;
-  const int group = a.num_heads / a.num_kv_heads;
-  bool vectorized = false;
+  using PairFn = void (*)(const Args&, int, int, std::vector<float>&, std::vector<float>&);
+  PairFn vectorized = nullptr;
 #if defined(__AVX512F__)
-  vectorized = a.head_dim % 16 == 0 && a.head_dim / 16 <= 8 && group <= 16;
+  vectorized = pick_avx512<T>(a.head_dim, a.num_heads / a.num_kv_heads);
 #endif
   auto worker = [&a, pairs, &num_threads, vectorized](int t) {
     std::vector<float> scores, acc, qf;
     for (int p = t; p < pairs; p += num_threads) {
-#if defined(__AVX512F__)
-      if (vectorized) {
-        attend_pair_avx512<T>(a, p / a.num_kv_heads, p % a.num_kv_heads, scores, acc);
-        continue;
+      if (vectorized != nullptr) {
+        vectorized(a, p / a.num_kv_heads, p % a.num_kv_heads, scores, acc);
+      } else {
+        attend_pair<T>(a, p / a.num_kv_heads, p % a.num_kv_heads, scores, acc, qf);
       }
-#endif
-      attend_pair<T>(a, p / a.num_kv_heads, p % a.num_kv_heads, scores, acc, qf);
     }
   };
   num_threads = std::max(1, std::min(num_threads, pairs));

@@ -98,16 +98,17 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def _make_rotary(self) -> RotaryEmbedding:
+        """Rotary tables are computed (float32, CPU), never loaded; also under a meta device."""
         a = self.arch
-        inv_freq = inverse_frequencies(
-            a.head_dim, a.rope_theta, a.rope_scaling, self._rope_freq_factors
-        )
-        return RotaryEmbedding(a.head_dim, a.max_position_embeddings, inv_freq)
+        with torch.device("cpu"):
+            inv_freq = inverse_frequencies(
+                a.head_dim, a.rope_theta, a.rope_scaling, self._rope_freq_factors
+            )
+            return RotaryEmbedding(a.head_dim, a.max_position_embeddings, inv_freq)
 
     def finish_loading(self) -> None:
         """After ``to_empty`` + ``load_weights``: recompute float32 rotary tables, re-tie."""
-        with torch.device("cpu"):
-            rotary = self._make_rotary()
+        rotary = self._make_rotary()
         for layer in self.layers:
             layer.self_attn.rotary = rotary
         if self.arch.tie_word_embeddings:
