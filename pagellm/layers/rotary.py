@@ -51,15 +51,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
         self.head_dim = head_dim
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos.index_select(0, positions).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` [T, heads, dim] (q and k heads together) at ``positions`` [T].
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+        cos/sin are cast to x's dtype first, as the Hugging Face reference does.
+        """
+        cos = self.cos.index_select(0, positions).unsqueeze(1).to(x.dtype)
+        sin = self.sin.index_select(0, positions).unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

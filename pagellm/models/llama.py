@@ -37,13 +37,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: Any, meta: Any):
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        tokens = qkv.shape[0]
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.reshape(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.backend.forward(cache, q, k, v, meta))
 
 
