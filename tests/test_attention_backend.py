@@ -9,7 +9,7 @@ from pagellm.attention.backend import SeqLayout
 from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.kernels.paged_attention import load_paged_decode_kernel
 
-HQ, HKV, BS, NUM_BLOCKS = 6, 2, 4, 128
+HQ, HKV, BS, NUM_BLOCKS = 6, 2, 4, 512
 
 
 def _naive(q, k, v):
@@ -35,7 +35,8 @@ def test_mixed_batch_matches_naive_attention(dtype, use_kernel, D):
     assert (backend.decode_kernel is not None) == use_kernel
     (cache,) = backend.allocate_cache(1, NUM_BLOCKS)
     # (context already cached, new tokens): two decodes, a prefill with a prefix, a fresh prefill
-    shapes = [(9, 1), (3, 1), (70, 1), (0, 1), (6, 7), (0, 10)]
+    # decodes, small prefill chunks (row-wise with the kernel), then chunks big enough for GEMMs
+    shapes = [(9, 1), (3, 1), (70, 1), (0, 1), (6, 7), (0, 10), (0, 520), (300, 400)]
     free = list(range(NUM_BLOCKS))[::-1]
     seqs, full_k, full_v = [], [], []
     for cached, new in shapes:
@@ -50,6 +51,7 @@ def test_mixed_batch_matches_naive_attention(dtype, use_kernel, D):
         full_v.append(v)
     q_parts = [torch.randn(new, HQ, D, generator=gen) for _, new in shapes]
     meta = backend.build_metadata(seqs, NUM_BLOCKS)
+    assert meta.num_rows == (4 + 7 + 10 if use_kernel else 4)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes, strict=True)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes, strict=True)])
     out = backend.forward(

@@ -27,8 +27,12 @@ class AttentionBackend(Protocol):
         """Per-layer KV storage for ``num_blocks`` blocks."""
         ...
 
+    def is_row_wise(self, num_tokens: int, start_pos: int) -> bool:
+        """Chunks for which this is True must come first in the batch (decodes always are)."""
+        ...
+
     def build_metadata(self, seqs: list[SeqLayout], num_blocks: int) -> Any:
-        """Everything the layers need for this step. Decodes (1 token) must come first."""
+        """Everything the layers need for this step, ordered as ``is_row_wise`` asks."""
         ...
 
     def forward(

@@ -3,8 +3,14 @@
 Cache layout per layer: K and V each ``[num_kv_heads, num_blocks, block_size, head_dim]``, so one
 ``index_select`` over ``[kv_heads * blocks, block_size * head_dim]`` rows gathers a batch's
 context straight into ``[batch, kv_heads, context, head_dim]`` (contiguous, ready for matmul).
-Decode tokens (one query per sequence) are attended together, padded to the longest context;
-prefill chunks are attended one sequence at a time, causal within the chunk and over the prefix.
+
+Two paths share each step. "Row-wise" tokens come first in the batch and are attended together,
+one query row each with its own context length: decode tokens always, and with the C++ kernel
+also prefill chunks whose attention work (tokens x context) is small, each of their tokens being
+a row that sees the positions up to its own. The kernel reads K/V in place through the block
+table; without it, decode rows gather their blocks into a buffer padded to the longest context.
+The remaining prefill chunks are attended one sequence at a time with GEMMs, causal within the
+chunk and over the cached prefix.
 """
 
 from __future__ import annotations
@@ -30,17 +36,18 @@ class PrefillChunk:
 @dataclass(slots=True)
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
-    num_decodes: int
-    decode_gather_idx: torch.Tensor | None
-    decode_mask: torch.Tensor | None
-    """Additive mask [decodes, 1, 1, padded_context]: 0 where a key exists, -inf past the end."""
-    decode_context: int
+    num_rows: int
+    """The first ``num_rows`` tokens are attended row-wise (see the module docstring)."""
     prefills: list[PrefillChunk]
-    k_buf: torch.Tensor | None
-    v_buf: torch.Tensor | None
-    decode_block_tables: torch.Tensor | None = None
-    """int32 [decodes, max_blocks], for the C++ kernel (which reads the cache in place)."""
-    decode_context_lens: torch.Tensor | None = None
+    row_block_tables: torch.Tensor | None = None
+    """int32 [rows, max_blocks] for the kernel: each row's sequence's block table."""
+    row_context_lens: torch.Tensor | None = None
+    """int32 [rows]: how many positions each row attends to (its own position + 1)."""
+    decode_gather_idx: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    """Additive mask [rows, 1, 1, padded_context]: 0 where a key exists, -inf past the end."""
+    k_buf: torch.Tensor | None = None
+    v_buf: torch.Tensor | None = None
 
 
 class TorchAttentionBackend:
@@ -64,6 +71,17 @@ class TorchAttentionBackend:
         self.dtype = dtype
         self.scale = head_dim**-0.5
 
+    # Above this many (query tokens x context positions) a prefill chunk is cheaper as GEMMs.
+    ROW_WISE_WORK_LIMIT = 256 * 1024
+
+    def is_row_wise(self, num_tokens: int, start_pos: int) -> bool:
+        """Whether a sequence's chunk goes to the row-wise path (the runner puts those first)."""
+        if num_tokens == 1:
+            return True
+        if self.decode_kernel is None:
+            return False
+        return num_tokens * (start_pos + num_tokens) <= self.ROW_WISE_WORK_LIMIT
+
     def allocate_cache(self, num_layers: int, num_blocks: int) -> list[tuple[torch.Tensor, ...]]:
         shape = (self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
         return [
@@ -82,46 +100,56 @@ class TorchAttentionBackend:
                 table[p // bs] * bs + p % bs
                 for p in range(seq.start_pos, seq.start_pos + seq.num_tokens)
             )
-        decodes = [s for s in seqs if s.num_tokens == 1]
-        num_decodes = len(decodes)
-        assert all(s.num_tokens == 1 for s in seqs[:num_decodes]), "decodes must come first"
+        num_row_seqs = 0
+        while num_row_seqs < len(seqs) and self.is_row_wise(
+            seqs[num_row_seqs].num_tokens, seqs[num_row_seqs].start_pos
+        ):
+            num_row_seqs += 1
+        rows, rest = seqs[:num_row_seqs], seqs[num_row_seqs:]
+        assert not any(self.is_row_wise(s.num_tokens, s.start_pos) for s in rest), (
+            "row-wise sequences must come first"
+        )
+        num_rows = sum(s.num_tokens for s in rows)
         meta = TorchAttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
-            num_decodes=num_decodes,
-            decode_gather_idx=None,
-            decode_mask=None,
-            decode_context=0,
-            prefills=self._prefill_chunks(seqs[num_decodes:], num_decodes, num_blocks),
-            k_buf=None,
-            v_buf=None,
+            num_rows=num_rows,
+            prefills=self._prefill_chunks(rest, num_rows, num_blocks),
         )
-        if num_decodes:
-            self._decode_metadata(meta, decodes, num_blocks)
+        if rows:
+            self._row_metadata(meta, rows, num_blocks)
         return meta
 
-    def _decode_metadata(
-        self, meta: TorchAttentionMetadata, decodes: list[SeqLayout], num_blocks: int
+    def _row_metadata(
+        self, meta: TorchAttentionMetadata, rows: list[SeqLayout], num_blocks: int
     ) -> None:
-        bs = self.block_size
-        max_blocks = max(len(s.block_ids) for s in decodes)
-        table = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-        for i, seq in enumerate(decodes):
+        max_blocks = max(len(s.block_ids) for s in rows)
+        table = torch.zeros(len(rows), max_blocks, dtype=torch.long)
+        for i, seq in enumerate(rows):
             table[i, : len(seq.block_ids)] = torch.tensor(seq.block_ids, dtype=torch.long)
         if self.decode_kernel is not None:
-            meta.decode_block_tables = table.to(torch.int32)
-            lens = [s.start_pos + 1 for s in decodes]
-            meta.decode_context_lens = torch.tensor(lens, dtype=torch.int32)
+            counts = torch.tensor([s.num_tokens for s in rows])
+            meta.row_block_tables = table.to(torch.int32).repeat_interleave(counts, dim=0)
+            lens = [p + 1 for s in rows for p in range(s.start_pos, s.start_pos + s.num_tokens)]
+            meta.row_context_lens = torch.tensor(lens, dtype=torch.int32)
             return
+        self._decode_gather_metadata(meta, rows, table, num_blocks)
+
+    def _decode_gather_metadata(
+        self,
+        meta: TorchAttentionMetadata,
+        decodes: list[SeqLayout],
+        table: torch.Tensor,
+        num_blocks: int,
+    ) -> None:
         head_offsets = torch.arange(self.num_kv_heads, dtype=torch.long) * num_blocks
         meta.decode_gather_idx = (head_offsets.view(1, -1, 1) + table.unsqueeze(1)).reshape(-1)
-        context = max_blocks * bs
+        context = table.shape[1] * self.block_size
         lens = torch.tensor([s.start_pos + 1 for s in decodes], dtype=torch.long)
         valid = torch.arange(context).unsqueeze(0) < lens.unsqueeze(1)
         mask = torch.zeros(len(decodes), 1, 1, context, dtype=self.dtype)
         meta.decode_mask = mask.masked_fill_(
             ~valid.view(len(decodes), 1, 1, context), float("-inf")
         )
-        meta.decode_context = context
         shape = (len(decodes), self.num_kv_heads, context, self.head_dim)
         meta.k_buf = torch.empty(shape, dtype=self.dtype)
         meta.v_buf = torch.empty(shape, dtype=self.dtype)
@@ -154,9 +182,9 @@ class TorchAttentionBackend:
         k_cache, v_cache = cache
         self._write(k_cache, v_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._decode(k_cache, v_cache, q[:nd], meta)
+        nr = meta.num_rows
+        if nr:
+            out[:nr] = self._row_wise(k_cache, v_cache, q[:nr], meta)
         for chunk in meta.prefills:
             sl = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[sl] = self._prefill(k_cache, v_cache, q[sl], k[sl], v[sl], chunk)
@@ -174,16 +202,16 @@ class TorchAttentionBackend:
             return rows.index_select(0, idx)
         return torch.index_select(rows, 0, idx, out=out.view(-1, bs * d))
 
-    def _decode(self, k_cache, v_cache, q: torch.Tensor, meta: TorchAttentionMetadata):
+    def _row_wise(self, k_cache, v_cache, q: torch.Tensor, meta: TorchAttentionMetadata):
         b = q.shape[0]
-        if meta.decode_block_tables is not None:
+        if meta.row_block_tables is not None:
             out = torch.empty_like(q)
             self.decode_kernel(
                 q.contiguous(),
                 k_cache,
                 v_cache,
-                meta.decode_block_tables,
-                meta.decode_context_lens,
+                meta.row_block_tables,
+                meta.row_context_lens,
                 out,
                 self.scale,
             )

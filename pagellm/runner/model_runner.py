@@ -1,11 +1,12 @@
 """Runs one engine step: SchedulerOutput -> one model forward over the flattened batch -> tokens.
 
-Decode tokens are placed first in the batch (the attention backend attends them together), then
-prefill chunks. Logits are computed only at the positions that sample.
+Sequences the attention backend attends row-wise (decodes, small prefill chunks) are placed first
+in the batch, then the other prefill chunks. Logits are computed only at the positions that sample.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,7 @@ class ModelRunner:
         self.sampler.forget(sched.finished_request_ids)
         if sched.is_empty:
             return RunnerOutput({})
-        inputs = prepare_inputs(sched.scheduled)
+        inputs = prepare_inputs(sched.scheduled, self.backend.is_row_wise)
         with torch.inference_mode():
             meta = self.backend.build_metadata(inputs.layouts, self.num_blocks)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
@@ -83,8 +84,13 @@ class ModelRunner:
         return RunnerOutput(sampled, logprobs)
 
 
-def prepare_inputs(scheduled: list[ScheduledRequest]) -> StepInputs:
-    order = [s for s in scheduled if s.num_tokens == 1] + [s for s in scheduled if s.num_tokens > 1]
+def prepare_inputs(
+    scheduled: list[ScheduledRequest], row_wise: Callable[[int, int], bool]
+) -> StepInputs:
+    """Flatten the step's tokens; sequences the backend attends row-wise come first."""
+    first = [row_wise(s.num_tokens, s.start_pos) for s in scheduled]
+    order = [s for s, f in zip(scheduled, first, strict=True) if f]
+    order += [s for s, f in zip(scheduled, first, strict=True) if not f]
     ids: list[int] = []
     positions: list[int] = []
     layouts: list[SeqLayout] = []
