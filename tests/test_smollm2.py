@@ -80,3 +80,32 @@ def test_cli_generate():
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
     assert "Paris" in proc.stdout
+
+
+def test_bf16_logits_match_transformers_bf16():
+    """The real model's activations have outliers (|x| ~ 1e4): bf16 reductions in the wrong
+    place (a norm's sum of squares) derail it while tiny random models do not notice."""
+    import transformers
+    from test_model_correctness import _our_logits
+
+    path = require_default_model()
+    ours = LLM(dtype="bfloat16", kv_cache_memory=0.1, max_model_len=1024)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.bfloat16
+    ).eval()
+    ids = ours.tokenizer.chat_token_ids([{"role": "user", "content": QUESTIONS[0]}])
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    got = _our_logits(ours, ids)
+    rel = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).mean()
+    assert rel < 0.05, f"bf16 logits are {rel:.3f} away from transformers in bf16 (mean)"
+    answer = (
+        ours.chat(
+            [{"role": "user", "content": QUESTIONS[0]}],
+            SamplingParams(temperature=0, max_tokens=12),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .text
+    )
+    assert "Paris" in answer

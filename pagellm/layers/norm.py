@@ -1,4 +1,4 @@
-"""RMSNorm: one fused op (float32 accumulation inside), in the model's dtype."""
+"""RMSNorm computed in float32 and cast back before the weight, as the Hugging Face reference."""
 
 from __future__ import annotations
 
@@ -14,4 +14,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # torch's rms_norm accumulates in the input dtype: bf16 sums lose the answer
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
