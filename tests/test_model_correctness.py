@@ -61,13 +61,22 @@ def test_greedy_tokens_match_transformers(tiny_models, arch):
         compare_greedy(out.outputs[0].token_ids, hf_greedy(hf, prompt, 24), f"{arch}#{i}")
 
 
-def test_bf16_runs_and_mostly_agrees(tiny_models):
-    path = tiny_models("llama")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bf16_packed_linears_match_plain_linear(tiny_models, arch):
+    """bf16 runs through oneDNN-packed weights (with qkv bias for Qwen2): same as F.linear."""
+    from pagellm.layers.linear import Linear
+
+    llm = LLM(str(tiny_models(arch)), dtype="bfloat16", kv_cache_memory=0.01, max_model_len=512)
+    linears = [m for m in llm.engine.executor.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears)
+    x = torch.randn(5, linears[0].in_features, dtype=torch.bfloat16)
+    layer = linears[0]
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias).float()
+    torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2)
     prompt = list(range(300, 340))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    fp32 = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_model_len=512)
-    bf16 = LLM(str(path), dtype="bfloat16", kv_cache_memory=0.01, max_model_len=512)
+    fp32 = LLM(str(tiny_models(arch)), dtype="float32", kv_cache_memory=0.01, max_model_len=512)
     a = fp32.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    b = bf16.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    b = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert len(b) == 8
     assert a[0] == b[0]

@@ -29,7 +29,11 @@ class Sampler:
             self._generators.pop(rid, None)
 
     def sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> SampleResult:
-        """``logits`` is float32 [len(reqs), vocab]; row i belongs to ``reqs[i]``."""
+        """``logits`` [len(reqs), vocab] in the model's dtype; row i belongs to ``reqs[i]``.
+
+        A pure greedy batch takes the argmax as is (widening to float32 changes no value);
+        everything else works in float32.
+        """
         simple = all(
             r.params.greedy
             and not r.params.needs_penalties
@@ -39,8 +43,8 @@ class Sampler:
         )
         if simple:
             return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(reqs))
-        raw = logits
-        logits = logits.clone()
+        raw = logits.float()
+        logits = raw.clone()
         for i, req in enumerate(reqs):
             _apply_penalties(logits[i], req)
             _apply_min_tokens(logits[i], req)
