@@ -11,6 +11,7 @@ def test_engine_core_does_not_import_torch():
         "import sys\n"
         "import pagellm, pagellm.config\n"
         "import pagellm.engine.llm_engine, pagellm.engine.scheduler, pagellm.engine.detokenizer\n"
+        "import pagellm.engine.async_engine\n"
         "assert 'torch' not in sys.modules, 'engine core imported torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -103,14 +103,17 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        prompt_text: str | None = None,
     ) -> None:
-        """Queue a request; raises RequestRejected if it can never run."""
+        """Queue a request; raises RequestRejected if it can never run.
+
+        ``prompt_text`` names the text of a prompt given as token ids (for the outputs).
+        """
         params = params or SamplingParams()
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
-        text, ids = self._prompt_ids(prompt)
-        self._validate(ids, params)
-        group = _Group(request_id, text, ids)
+        text, ids = self.prepare_prompt(prompt)
+        group = _Group(request_id, text if text is not None else prompt_text, ids)
         arrival = self.clock() if arrival_time is None else arrival_time
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         for i in range(params.n):
@@ -135,12 +138,21 @@ class LLMEngine:
             self.scheduler.add_request(seq.request)
         self.scheduler.stats.prompt_tokens += len(ids)
 
-    def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        return None, list(prompt)
+    def prepare_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """Tokenize and validate a prompt; raises RequestRejected. Reads only immutable state,
+        so a front end may call it from another thread than the one stepping the engine."""
+        text, ids = (
+            (prompt, self.tokenizer.encode(prompt))
+            if isinstance(prompt, str)
+            else (
+                None,
+                list(prompt),
+            )
+        )
+        self._validate(ids)
+        return text, ids
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, ids: list[int]) -> None:
         if not ids:
             raise RequestRejected("the prompt is empty", param="prompt")
         if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in ids):
