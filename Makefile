@@ -20,7 +20,7 @@ fetch-model: $(STAMP)
 	$(PY) -m pagellm.fetch
 
 run: fetch-model
-	$(VENV)/bin/pagellm generate "What is the capital of France?"
+	$(VENV)/bin/pagellm serve --host 127.0.0.1 --port 8000
 
 test: fetch-model
 	$(VENV)/bin/ruff check .

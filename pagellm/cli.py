@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any
 
-from pagellm.config import flat_fields
+from pagellm.config import EngineConfig, flat_fields
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +61,32 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagellm.engine.async_engine import AsyncLLMEngine
+    from pagellm.engine_factory import build_engine
+    from pagellm.fetch import DEFAULT_FILE
+    from pagellm.server.app import ServerSettings, build_app
+
+    engine, tokenizer = build_engine(EngineConfig.from_flat(**engine_kwargs(args)))
+    default_name = args.model or DEFAULT_FILE.removesuffix(".gguf")
+    settings = ServerSettings(
+        model_name=args.served_model_name or default_name,
+        max_model_len=engine.max_model_len,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+    )
+    front = AsyncLLMEngine(engine)
+    front.start()
+    try:
+        app = build_app(front, tokenizer, settings)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        front.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagellm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -79,6 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    serve.add_argument("--log-level", default="info")
+    add_engine_args(serve)
+    serve.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks that write JSON and print a table")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -108,3 +108,5 @@ class EngineStats:
     """Allocated-but-unfilled slots / allocated slots, at the step of peak KV usage."""
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+    """Finished requests (sequences) by finish reason: stop, length, abort."""

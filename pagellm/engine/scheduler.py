@@ -53,6 +53,11 @@ class Scheduler:
         self.requests[req.request_id] = req
         bisect.insort(self.waiting, req, key=_order)
 
+    def refresh_queue_stats(self) -> None:
+        self.stats.num_running = len(self.running)
+        self.stats.num_waiting = len(self.waiting)
+        self.stats.kv_usage = self.kv.usage()
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -67,8 +72,10 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
         req.finish_time = self.clock()
         self._finished_ids.append(request_id)
+        self.refresh_queue_stats()
         return req
 
     # ----- scheduling -------------------------------------------------------------------
@@ -202,9 +209,7 @@ class Scheduler:
 
     def _record_stats(self, sched: SchedulerOutput, num_sampled: int) -> None:
         stats = self.stats
-        stats.num_running = len(self.running)
-        stats.num_waiting = len(self.waiting)
-        stats.kv_usage = self.kv.usage()
+        self.refresh_queue_stats()
         stats.generation_tokens += num_sampled
         if stats.kv_usage >= stats.peak_kv_usage and self.running:
             allocated = self.kv.allocated_slots()

@@ -1,0 +1,448 @@
+"""The OpenAI-compatible FastAPI app over an AsyncLLMEngine.
+
+Handlers validate (pydantic + SamplingParams), tokenize with the model's tokenizer, check the
+context length before anything is queued, then stream or collect the engine's outputs. Leaving a
+stream, or a non-streaming client disconnecting, aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pagellm import __version__
+from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagellm.engine.errors import ContextLengthExceeded, RequestRejected
+from pagellm.engine.outputs import RequestOutput
+from pagellm.engine.sampling_params import ParamError, SamplingParams
+from pagellm.server.errors import APIError, error_body, error_response
+from pagellm.server.metrics import make_registry
+from pagellm.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    model_name: str
+    max_model_len: int
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+
+
+def build_app(front: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -> FastAPI:
+    app = FastAPI(title="pagellm", version=__version__)
+    _install_error_handlers(app)
+    _install_guards(app, settings)
+    ctx = _Context(front, tokenizer, settings)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if front.is_healthy:
+            return Response(status_code=200)
+        return JSONResponse(error_body(503, "engine is not running", None, None), 503)
+
+    registry = make_registry(front.engine.stats, settings.model_name)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {
+            "id": settings.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pagellm",
+            "max_model_len": settings.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await ctx.completions(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await ctx.chat(body, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        if body.messages is not None:
+            ids = tokenizer.chat_token_ids(_messages(body.messages))
+        elif body.prompt is not None:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise APIError(400, "give 'prompt' or 'messages'", param="prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": settings.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", []) if p != "body"]
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message = "the request body is not valid JSON"
+        return error_response(APIError(400, message, param=".".join(loc) or None))
+
+    @app.exception_handler(ParamError)
+    async def _param(_: Request, exc: ParamError) -> JSONResponse:
+        return error_response(APIError(400, str(exc), param=exc.param))
+
+    @app.exception_handler(RequestRejected)
+    async def _rejected(_: Request, exc: RequestRejected) -> JSONResponse:
+        return error_response(APIError(400, str(exc), param=exc.param, code=exc.code))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(APIError(503, str(exc), headers={"Retry-After": "5"}))
+
+
+def _install_guards(app: FastAPI, settings: ServerSettings) -> None:
+    app.add_middleware(_Guards, settings=settings)
+
+
+class _Guards:
+    """Body size (413) and API key (401) checks as plain ASGI middleware.
+
+    Plain ASGI (not Starlette's BaseHTTPMiddleware) so that handlers still see the client's
+    disconnect through ``Request.is_disconnected``.
+    """
+
+    def __init__(self, app, settings: ServerSettings) -> None:
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            err = self._check(scope)
+            if err is not None:
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _check(self, scope) -> APIError | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.settings.max_body_bytes:
+            return APIError(413, f"request body over {self.settings.max_body_bytes} bytes")
+        key = self.settings.api_key
+        protected = bool(key) and scope["path"].startswith("/v1/")
+        if protected and headers.get("authorization", "") != f"Bearer {key}":
+            return APIError(401, "missing or wrong API key")
+        return None
+
+
+def _messages(messages: list) -> list[dict[str, Any]]:
+    out = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):  # OpenAI content parts: keep the text ones
+            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+class _Context:
+    def __init__(self, front: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -> None:
+        self.front = front
+        self.tokenizer = tokenizer
+        self.settings = settings
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.model_name:
+            raise APIError(
+                404, f"the model {model!r} does not exist", param="model", code="model_not_found"
+            )
+
+    def _params(self, body, prompt_len: int, max_tokens: int | None, logprobs) -> SamplingParams:
+        limit = self.settings.max_model_len
+        if max_tokens is None:
+            max_tokens = limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise ContextLengthExceeded(prompt_len, max_tokens, limit)
+        return body.sampling_params(max_tokens, logprobs)
+
+    # ----- /v1/completions --------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+        self._check_model(body.model)
+        prompts = _prompt_list(body.prompt)
+        prepared = [self.front.engine.prepare_prompt(p) for p in prompts]
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        params = [self._params(body, len(ids), max_tokens, body.logprobs) for _, ids in prepared]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if body.stream:
+            if len(prompts) != 1:
+                raise APIError(400, "streaming takes a single prompt", param="prompt")
+            gen = self.front.generate(rid, prepared[0][1], params[0], body.priority)
+            events = self._completion_events(gen, rid, created, body)
+            return _sse(events)
+        runs = [
+            _last(self.front.generate(f"{rid}-{i}", ids, p, body.priority))
+            for i, ((_, ids), p) in enumerate(zip(prepared, params, strict=True))
+        ]
+        finals = await _until_disconnect(raw, asyncio.gather(*runs))
+        choices, usage = [], _Usage()
+        for i, out in enumerate(finals):
+            usage.add(out)
+            for comp in out.outputs:
+                choices.append(
+                    {
+                        "index": i * body.n + comp.index,
+                        "text": comp.text,
+                        "logprobs": _completion_logprobs(comp, self.tokenizer),
+                        "finish_reason": comp.finish_reason,
+                        "stop_reason": comp.stop_reason,
+                    }
+                )
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.settings.model_name,
+                "choices": choices,
+                "usage": usage.as_dict(),
+            }
+        )
+
+    async def _completion_events(self, gen, rid, created, body) -> AsyncIterator[dict]:
+        sent = [0] * body.n
+        last: RequestOutput | None = None
+        async for out in gen:
+            last = out
+            for comp in out.outputs:
+                delta = comp.text[sent[comp.index] :]
+                if not delta and comp.finish_reason is None:
+                    continue
+                sent[comp.index] = len(comp.text)
+                yield {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.settings.model_name,
+                    "choices": [
+                        {
+                            "index": comp.index,
+                            "text": delta,
+                            "logprobs": None,
+                            "finish_reason": comp.finish_reason,
+                        }
+                    ],
+                }
+        if last is not None and body.stream_options and body.stream_options.include_usage:
+            usage = _Usage()
+            usage.add(last)
+            yield {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.settings.model_name,
+                "choices": [],
+                "usage": usage.as_dict(),
+            }
+
+    # ----- /v1/chat/completions ---------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        self._check_model(body.model)
+        try:
+            ids = self.tokenizer.chat_token_ids(_messages(body.messages))
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from exc
+        ids = self.front.engine.prepare_prompt(ids)[1]
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._params(body, len(ids), max_tokens, top)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        gen = self.front.generate(rid, ids, params, body.priority)
+        if body.stream:
+            return _sse(self._chat_events(gen, rid, created, body))
+        out = await _until_disconnect(raw, _last(gen))
+        usage = _Usage()
+        usage.add(out)
+        choices = [
+            {
+                "index": comp.index,
+                "message": {"role": "assistant", "content": comp.text},
+                "logprobs": _chat_logprobs(comp, self.tokenizer) if body.logprobs else None,
+                "finish_reason": comp.finish_reason,
+                "stop_reason": comp.stop_reason,
+            }
+            for comp in out.outputs
+        ]
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": self.settings.model_name,
+                "choices": choices,
+                "usage": usage.as_dict(),
+            }
+        )
+
+    async def _chat_events(self, gen, rid, created, body) -> AsyncIterator[dict]:
+        def chunk(choices: list[dict], **extra: Any) -> dict:
+            return {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.settings.model_name,
+                "choices": choices,
+                **extra,
+            }
+
+        yield chunk(
+            [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                for i in range(body.n)
+            ]
+        )
+        sent = [0] * body.n
+        last: RequestOutput | None = None
+        async for out in gen:
+            last = out
+            for comp in out.outputs:
+                delta = comp.text[sent[comp.index] :]
+                if not delta and comp.finish_reason is None:
+                    continue
+                sent[comp.index] = len(comp.text)
+                yield chunk(
+                    [
+                        {
+                            "index": comp.index,
+                            "delta": {"content": delta} if delta else {},
+                            "finish_reason": comp.finish_reason,
+                        }
+                    ]
+                )
+        if last is not None and body.stream_options and body.stream_options.include_usage:
+            usage = _Usage()
+            usage.add(last)
+            yield chunk([], usage=usage.as_dict())
+
+
+def _prompt_list(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return list(prompt)
+
+
+async def _last(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async for out in gen:
+        last = out
+    assert last is not None
+    return last
+
+
+async def _until_disconnect(raw: Request, awaitable) -> Any:
+    """Await while the client is connected; on disconnect cancel (which aborts in the engine)."""
+    task = asyncio.ensure_future(awaitable)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.1)
+        if done:
+            return task.result()
+        if await raw.is_disconnected():
+            task.cancel()
+            raise APIError(400, "client disconnected")
+
+
+def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    import json
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n".encode()
+        except (RequestRejected, EngineDeadError, ValueError) as exc:
+            status = 503 if isinstance(exc, EngineDeadError) else 400
+            yield f"data: {json.dumps(error_body(status, str(exc), None, None))}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+class _Usage:
+    def __init__(self) -> None:
+        self.prompt = 0
+        self.completion = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.prompt += len(out.prompt_token_ids)
+        self.completion += sum(len(c.token_ids) for c in out.outputs)
+
+    def as_dict(self) -> dict[str, int]:
+        total = self.prompt + self.completion
+        return {
+            "prompt_tokens": self.prompt,
+            "completion_tokens": self.completion,
+            "total_tokens": total,
+        }
+
+
+def _completion_logprobs(comp, tokenizer) -> dict | None:
+    if comp.logprobs is None:
+        return None
+    tokens = [tokenizer.decode([lp.token_id], skip_special_tokens=False) for lp in comp.logprobs]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in comp.logprobs],
+        "top_logprobs": [
+            {tokenizer.decode([t], skip_special_tokens=False): v for t, v in lp.top}
+            for lp in comp.logprobs
+        ],
+    }
+
+
+def _chat_logprobs(comp, tokenizer) -> dict | None:
+    if comp.logprobs is None:
+        return None
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in comp.logprobs
+        ]
+    }

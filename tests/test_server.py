@@ -1,0 +1,213 @@
+"""The OpenAI-compatible server, in a real process on loopback, driven by the official client."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+MODEL_NAME = "tiny-llama"
+API_KEY = "test-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "pagellm.cli", "serve", "--model", str(tiny_models("llama")),
+        "--dtype", "float32", "--kv-cache-memory", "0.02", "--max-model-len", "512",
+        "--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--port", str(port),
+        "--max-body-bytes", "20000", "--log-level", "warning",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise AssertionError("server did not become healthy in 120 s")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+
+
+def test_completion_and_stream_agree(client):
+    kw = dict(model=MODEL_NAME, prompt="Hello there", max_tokens=12, temperature=0)
+    full = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert full.usage.completion_tokens == 12
+    assert full.choices[0].finish_reason == "length"
+    chunks = list(
+        client.completions.create(
+            **kw,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_token_id_prompts_and_n(client):
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=[[5, 6, 7], [8, 9]], max_tokens=4, n=2, temperature=0.7, seed=3
+    )
+    assert len(out.choices) == 4
+    assert out.usage.prompt_tokens == 3 + 2  # a prompt counts once, whatever n is
+    assert out.usage.completion_tokens == 4 * 4
+
+
+def test_chat_stream_and_plain(client):
+    messages = [{"role": "user", "content": "Say hi"}]
+    full = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0
+    )
+    assert full.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == full.choices[0].message.content
+
+
+def test_async_client_concurrent(server):
+    import asyncio
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+        jobs = [
+            aclient.completions.create(
+                model=MODEL_NAME, prompt=f"Number {i}", max_tokens=6, temperature=0
+            )
+            for i in range(16)
+        ]
+        return await asyncio.gather(*jobs)
+
+    outs = asyncio.run(main())
+    assert all(o.usage.completion_tokens >= 1 for o in outs)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "top_p": 5}, "top_p"),
+        ({}, "prompt"),
+    ],
+)
+def test_bad_parameters_are_400(server, body, param):
+    r = httpx.post(
+        f"{server}/v1/completions",
+        json={"model": MODEL_NAME, **body},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and param in (err["param"] or "")
+
+
+def test_error_statuses(server, client):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    bad_json = httpx.post(f"{server}/v1/completions", content=b"{nope", headers=auth)
+    assert bad_json.status_code == 400
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt="word " * 600, max_tokens=100)
+    assert info.value.body["code"] == "context_length_exceeded"
+    big = httpx.post(f"{server}/v1/completions", content=b"x" * 30000, headers=auth)
+    assert big.status_code == 413
+    assert httpx.get(f"{server}/health").status_code == 200  # still serving
+
+
+def test_tokenize_roundtrip(server):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    ids = httpx.post(f"{server}/tokenize", json={"prompt": "hello world"}, headers=auth).json()
+    text = httpx.post(f"{server}/detokenize", json={"tokens": ids["tokens"]}, headers=auth)
+    assert text.json()["prompt"] == "hello world"
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _metrics(server) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(f"{server}/metrics").text.splitlines():
+        if line.startswith("pagellm:"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def _aborted(server) -> float:
+    return sum(v for k, v in _metrics(server).items() if 'finished_reason="abort"' in k)
+
+
+def _wait_idle(server, aborted_before: float) -> dict[str, float]:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        m = _metrics(server)
+        running = m[f'pagellm:num_requests_running{{model_name="{MODEL_NAME}"}}']
+        kv = m[f'pagellm:kv_cache_usage_perc{{model_name="{MODEL_NAME}"}}']
+        if running == 0 and kv == 0 and _aborted(server) > aborted_before:
+            return m
+        time.sleep(0.05)
+    raise AssertionError(f"no abort seen: {m}")
+
+
+LONG = {"model": MODEL_NAME, "prompt": "go", "max_tokens": 500, "ignore_eos": True}
+
+
+def test_stream_disconnect_aborts_and_frees_kv(server):
+    before = _aborted(server)
+    body = {**LONG, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=AUTH) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data:")
+            if seen >= 3:
+                break
+    _wait_idle(server, before)
+
+
+def test_non_stream_disconnect_aborts_and_frees_kv(server):
+    before = _aborted(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=LONG, headers=AUTH, timeout=0.1)
+    _wait_idle(server, before)
