@@ -90,6 +90,14 @@ def test_token_id_prompts_and_n(client):
     assert out.usage.completion_tokens == 4 * 4
 
 
+def test_stream_with_n_finishes_each_choice_once(client):
+    stream = client.completions.create(
+        model=MODEL_NAME, prompt="abc", max_tokens=5, n=3, temperature=0.9, seed=1, stream=True
+    )
+    finishes = [c.choices[0].index for c in stream if c.choices and c.choices[0].finish_reason]
+    assert sorted(finishes) == [0, 1, 2]
+
+
 def test_chat_stream_and_plain(client):
     messages = [{"role": "user", "content": "Say hi"}]
     full = client.chat.completions.create(

@@ -238,40 +238,23 @@ class _Context:
         )
 
     async def _completion_events(self, gen, rid, created, body) -> AsyncIterator[dict]:
-        sent = [0] * body.n
-        last: RequestOutput | None = None
-        async for out in gen:
-            last = out
-            for comp in out.outputs:
-                delta = comp.text[sent[comp.index] :]
-                if not delta and comp.finish_reason is None:
-                    continue
-                sent[comp.index] = len(comp.text)
-                yield {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": self.settings.model_name,
-                    "choices": [
-                        {
-                            "index": comp.index,
-                            "text": delta,
-                            "logprobs": None,
-                            "finish_reason": comp.finish_reason,
-                        }
-                    ],
-                }
-        if last is not None and body.stream_options and body.stream_options.include_usage:
-            usage = _Usage()
-            usage.add(last)
-            yield {
+        def chunk(choices: list[dict], **extra: Any) -> dict:
+            return {
                 "id": rid,
                 "object": "text_completion",
                 "created": created,
                 "model": self.settings.model_name,
-                "choices": [],
-                "usage": usage.as_dict(),
+                "choices": choices,
+                **extra,
             }
+
+        async for item in _text_deltas(gen, body.n, _want_usage(body)):
+            if isinstance(item, _Usage):
+                yield chunk([], usage=item.as_dict())
+                continue
+            index, delta, finish = item
+            choice = {"index": index, "text": delta, "logprobs": None, "finish_reason": finish}
+            yield chunk([choice])
 
     # ----- /v1/chat/completions ---------------------------------------------------------
 
@@ -331,28 +314,40 @@ class _Context:
                 for i in range(body.n)
             ]
         )
-        sent = [0] * body.n
-        last: RequestOutput | None = None
-        async for out in gen:
-            last = out
-            for comp in out.outputs:
-                delta = comp.text[sent[comp.index] :]
-                if not delta and comp.finish_reason is None:
-                    continue
+        async for item in _text_deltas(gen, body.n, _want_usage(body)):
+            if isinstance(item, _Usage):
+                yield chunk([], usage=item.as_dict())
+                continue
+            index, delta, finish = item
+            content = {"content": delta} if delta else {}
+            yield chunk([{"index": index, "delta": content, "finish_reason": finish}])
+
+
+def _want_usage(body) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+async def _text_deltas(gen, n: int, with_usage: bool) -> AsyncIterator:
+    """(choice index, new text, finish reason) per change of any of the n completions, then
+    the usage when asked for. Text is cumulative in the outputs; only what is new goes out."""
+    sent = [0] * n
+    done: set[int] = set()
+    last: RequestOutput | None = None
+    async for out in gen:
+        last = out
+        for comp in out.outputs:
+            if comp.index in done:
+                continue  # finished copies reappear while the others run on
+            delta = comp.text[sent[comp.index] :]
+            if delta or comp.finish_reason is not None:
                 sent[comp.index] = len(comp.text)
-                yield chunk(
-                    [
-                        {
-                            "index": comp.index,
-                            "delta": {"content": delta} if delta else {},
-                            "finish_reason": comp.finish_reason,
-                        }
-                    ]
-                )
-        if last is not None and body.stream_options and body.stream_options.include_usage:
-            usage = _Usage()
-            usage.add(last)
-            yield chunk([], usage=usage.as_dict())
+                if comp.finish_reason is not None:
+                    done.add(comp.index)
+                yield comp.index, delta, comp.finish_reason
+    if last is not None and with_usage:
+        usage = _Usage()
+        usage.add(last)
+        yield usage
 
 
 def _prompt_list(prompt: Any) -> list[str | list[int]]:
