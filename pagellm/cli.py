@@ -7,6 +7,7 @@ so the CLI, YAML keys and ``LLM(**kwargs)`` always agree.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import types
@@ -61,6 +62,29 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _draining_server_class() -> type:
+    import signal
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """SIGTERM/SIGINT start uvicorn's graceful shutdown (stop accepting, let in-flight
+        requests finish up to the timeout); unlike uvicorn's default the signal is not raised
+        again afterwards, so a drained server exits 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return DrainingServer
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -81,7 +105,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     front.start()
     try:
         app = build_app(front, tokenizer, settings)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
+        _draining_server_class()(config).run()
     finally:
         front.shutdown()
     return 0
@@ -113,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
     serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: stop accepting, let in-flight requests finish this long, exit 0",
+    )
     add_engine_args(serve)
     serve.set_defaults(func=_cmd_serve)
 

@@ -21,29 +21,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_models):
-    port = _free_port()
+def _start(model_dir, port: int) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "pagellm.cli", "serve", "--model", str(tiny_models("llama")),
+        sys.executable, "-m", "pagellm.cli", "serve", "--model", str(model_dir),
         "--dtype", "float32", "--kv-cache-memory", "0.02", "--max-model-len", "512",
         "--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--port", str(port),
         "--max-body-bytes", "20000", "--log-level", "warning",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_healthy(proc: subprocess.Popen, base: str) -> None:
     deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("server did not become healthy in 120 s")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    port = _free_port()
+    proc = _start(tiny_models("llama"), port)
+    base = f"http://127.0.0.1:{port}"
     try:
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        else:
-            raise AssertionError("server did not become healthy in 120 s")
+        _wait_healthy(proc, base)
         yield base
     finally:
         proc.terminate()
@@ -219,3 +226,36 @@ def test_non_stream_disconnect_aborts_and_frees_kv(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server}/v1/completions", json=LONG, headers=AUTH, timeout=0.1)
     _wait_idle(server, before)
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_models):
+    import signal
+    import threading
+
+    port = _free_port()
+    proc = _start(tiny_models("llama"), port)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, base)
+        events: list[str] = []
+        body = {**LONG, "max_tokens": 300, "stream": True}
+
+        def stream() -> None:
+            with httpx.stream(
+                "POST", f"{base}/v1/completions", json=body, headers=AUTH, timeout=30
+            ) as r:
+                events.extend(line for line in r.iter_lines() if line.startswith("data:"))
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        deadline = time.monotonic() + 10
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        reader.join(timeout=30)
+        assert events and events[-1] == "data: [DONE]"
+        assert '"finish_reason": "length"' in events[-2]
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
