@@ -100,6 +100,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_model_len=engine.max_model_len,
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
+        max_num_queued_requests=args.max_num_queued_requests,
+        max_num_queued_tokens=args.max_num_queued_tokens,
     )
     front = AsyncLLMEngine(engine)
     front.start()
@@ -143,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    serve.add_argument("--max-num-queued-requests", type=int, default=None)
+    serve.add_argument("--max-num-queued-tokens", type=int, default=None)
     serve.add_argument("--log-level", default="info")
     serve.add_argument(
         "--shutdown-timeout",

@@ -21,12 +21,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(model_dir, port: int) -> subprocess.Popen:
+def _start(model_dir, port: int, *extra: str) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "pagellm.cli", "serve", "--model", str(model_dir),
         "--dtype", "float32", "--kv-cache-memory", "0.02", "--max-model-len", "512",
         "--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--port", str(port),
-        "--max-body-bytes", "20000", "--log-level", "warning",
+        "--max-body-bytes", "20000", "--log-level", "warning", *extra,
     ]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -259,3 +259,46 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_models):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_full_queue_gets_503_with_retry_after(tiny_models):
+    import threading
+
+    port = _free_port()
+    proc = _start(
+        tiny_models("llama"), port, "--max-num-seqs", "1", "--max-num-queued-requests", "1"
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, base)
+        first_token = threading.Event()
+
+        def run_long() -> None:  # occupies the only running slot
+            body = {**LONG, "max_tokens": 400, "stream": True}
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=AUTH) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        first_token.set()
+
+        def run_queued() -> None:  # waits behind it
+            httpx.post(f"{base}/v1/completions", json={**LONG, "max_tokens": 2}, headers=AUTH)
+
+        threads = [threading.Thread(target=run_long)]
+        threads[0].start()
+        assert first_token.wait(30)
+        threads.append(threading.Thread(target=run_queued))
+        threads[1].start()
+        waiting = f'pagellm:num_requests_waiting{{model_name="{MODEL_NAME}"}}'
+        deadline = time.monotonic() + 10
+        while _metrics(base)[waiting] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _metrics(base)[waiting] == 1
+        r = httpx.post(f"{base}/v1/completions", json={**LONG, "max_tokens": 2}, headers=AUTH)
+        assert r.status_code == 503
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "server_busy"
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -53,6 +53,8 @@ class AsyncLLMEngine:
         self._streams_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
         self._stopped = False
+        self._queued: dict[str, int] = {}
+        """Requests admitted but without a first output yet -> their prompt tokens (event loop)."""
 
     # ----- lifecycle --------------------------------------------------------------------
 
@@ -67,6 +69,14 @@ class AsyncLLMEngine:
     @property
     def is_healthy(self) -> bool:
         return self.error is None and self._thread.is_alive()
+
+    @property
+    def num_queued_requests(self) -> int:
+        return len(self._queued)
+
+    @property
+    def num_queued_tokens(self) -> int:
+        return sum(self._queued.values())
 
     # ----- requests (event-loop side) ---------------------------------------------------
 
@@ -86,11 +96,13 @@ class AsyncLLMEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:
             self._streams[request_id] = stream
+        self._queued[request_id] = len(ids)
         self._inbox.put(_Add(request_id, text, ids, params, priority))
         finished = False
         try:
             while True:
                 item = await stream.queue.get()
+                self._queued.pop(request_id, None)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -98,6 +110,7 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
+            self._queued.pop(request_id, None)
             with self._streams_lock:
                 self._streams.pop(request_id, None)
             if not finished:

@@ -33,6 +33,8 @@ from pagellm.server.protocol import (
     TokenizeRequest,
 )
 
+_RETRY = {"code": "server_busy", "headers": {"Retry-After": "1"}}
+
 
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
@@ -40,6 +42,10 @@ class ServerSettings:
     max_model_len: int
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
+    max_num_queued_requests: int | None = None
+    """Requests admitted but not yet producing output; over it new ones get 503."""
+    max_num_queued_tokens: int | None = None
+    """Prompt tokens of those queued requests; over it new ones get 503."""
 
 
 def build_app(front: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -> FastAPI:
@@ -184,6 +190,18 @@ class _Context:
                 404, f"the model {model!r} does not exist", param="model", code="model_not_found"
             )
 
+    def _admit(self, prompt_tokens: int) -> None:
+        """503 with Retry-After when the waiting queue is full (checked before queueing)."""
+        s, front = self.settings, self.front
+        if s.max_num_queued_requests is not None and (
+            front.num_queued_requests >= s.max_num_queued_requests
+        ):
+            raise APIError(503, "the server is busy: too many queued requests", **_RETRY)
+        if s.max_num_queued_tokens is not None and (
+            front.num_queued_tokens + prompt_tokens > s.max_num_queued_tokens
+        ):
+            raise APIError(503, "the server is busy: too many queued prompt tokens", **_RETRY)
+
     def _params(self, body, prompt_len: int, max_tokens: int | None, logprobs) -> SamplingParams:
         limit = self.settings.max_model_len
         if max_tokens is None:
@@ -200,6 +218,7 @@ class _Context:
         prepared = [self.front.engine.prepare_prompt(p) for p in prompts]
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         params = [self._params(body, len(ids), max_tokens, body.logprobs) for _, ids in prepared]
+        self._admit(sum(len(ids) for _, ids in prepared))
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if body.stream:
@@ -268,6 +287,7 @@ class _Context:
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, len(ids), max_tokens, top)
+        self._admit(len(ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         gen = self.front.generate(rid, ids, params, body.priority)
