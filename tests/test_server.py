@@ -171,6 +171,19 @@ def test_error_statuses(server, client):
     assert httpx.get(f"{server}/health").status_code == 200  # still serving
 
 
+def test_latency_histograms_are_exported(server, client):
+    client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=3, temperature=0)
+    text = httpx.get(f"{server}/metrics").text
+    for name in (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+    ):
+        count = [ln for ln in text.splitlines() if ln.startswith(f"pagellm:{name}_count")]
+        assert count and float(count[0].rsplit(" ", 1)[1]) >= 1, name
+
+
 def test_tokenize_roundtrip(server):
     auth = {"Authorization": f"Bearer {API_KEY}"}
     ids = httpx.post(f"{server}/tokenize", json={"prompt": "hello world"}, headers=auth).json()

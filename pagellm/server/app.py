@@ -25,7 +25,7 @@ from pagellm.engine.errors import ContextLengthExceeded, RequestRejected
 from pagellm.engine.outputs import RequestOutput
 from pagellm.engine.sampling_params import ParamError, SamplingParams
 from pagellm.server.errors import APIError, error_body, error_response
-from pagellm.server.metrics import make_registry
+from pagellm.server.metrics import RequestLatencies, make_registry
 from pagellm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -61,6 +61,7 @@ def build_app(front: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -
         return JSONResponse(error_body(503, "engine is not running", None, None), 503)
 
     registry = make_registry(front.engine.stats, settings.model_name)
+    ctx.latencies = RequestLatencies(registry, settings.model_name)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -183,6 +184,13 @@ class _Context:
         self.front = front
         self.tokenizer = tokenizer
         self.settings = settings
+        self.latencies: RequestLatencies | None = None
+
+    def _generate(self, rid: str, ids: list[int], params: SamplingParams, priority: int):
+        gen = self.front.generate(rid, ids, params, priority)
+        if self.latencies is None:
+            return gen
+        return self.latencies.observe(gen, time.monotonic)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model_name:
@@ -224,11 +232,11 @@ class _Context:
         if body.stream:
             if len(prompts) != 1:
                 raise APIError(400, "streaming takes a single prompt", param="prompt")
-            gen = self.front.generate(rid, prepared[0][1], params[0], body.priority)
+            gen = self._generate(rid, prepared[0][1], params[0], body.priority)
             events = self._completion_events(gen, rid, created, body)
             return _sse(events)
         runs = [
-            _last(self.front.generate(f"{rid}-{i}", ids, p, body.priority))
+            _last(self._generate(f"{rid}-{i}", ids, p, body.priority))
             for i, ((_, ids), p) in enumerate(zip(prepared, params, strict=True))
         ]
         finals = await _until_disconnect(raw, asyncio.gather(*runs))
@@ -290,7 +298,7 @@ class _Context:
         self._admit(len(ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        gen = self.front.generate(rid, ids, params, body.priority)
+        gen = self._generate(rid, ids, params, body.priority)
         if body.stream:
             return _sse(self._chat_events(gen, rid, created, body))
         out = await _until_disconnect(raw, _last(gen))

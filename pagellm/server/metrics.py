@@ -52,3 +52,64 @@ def make_registry(stats: EngineStats, model_name: str) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(stats, model_name))
     return registry
+
+
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class RequestLatencies:
+    """Histograms observed by the server as outputs arrive (same monotonic clock as the engine)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        from prometheus_client import Histogram
+
+        def histogram(name: str, doc: str) -> Histogram:
+            h = Histogram(
+                f"pagellm:{name}", doc, ["model_name"], registry=registry, buckets=_LATENCY_BUCKETS
+            )
+            return h.labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between output steps.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduling.")
+
+    async def observe(self, gen, clock):
+        """Pass ``gen``'s outputs through, timing them."""
+        start = clock()
+        last = None
+        try:
+            async for out in gen:
+                now = clock()
+                if last is None:
+                    self.ttft.observe(now - start)
+                else:
+                    self.itl.observe(now - last)
+                last = now
+                if out.finished:
+                    self.e2e.observe(now - start)
+                    m = out.metrics
+                    if m.first_scheduled_time is not None:
+                        self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+                yield out
+        finally:
+            await gen.aclose()  # a consumer that leaves early must abort the request now
