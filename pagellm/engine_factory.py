@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from pagellm.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine
-from pagellm.runner.loader import read_arch, resolve_dtype, resolve_source
+from pagellm.runner.loader import open_model, resolve_dtype, resolve_source
 from pagellm.runner.model_runner import ModelRunner
 from pagellm.runner.tokenizer import Tokenizer
 
 
 def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
     source = resolve_source(config.model.model)
-    arch, _ = read_arch(source)
+    files = open_model(source)
+    arch = files.arch
     dtype = resolve_dtype(config.model.dtype)
     tokenizer_source = resolve_source(config.model.tokenizer) if config.model.tokenizer else source
     tokenizer = Tokenizer.load(tokenizer_source, arch.eos_token_id)
@@ -21,6 +22,6 @@ def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
             f"max_model_len={max_len} exceeds the model's context length "
             f"({arch.max_position_embeddings})"
         )
-    runner = ModelRunner(source, arch, dtype, config.cache)
+    runner = ModelRunner(files, dtype, config.cache)
     engine = LLMEngine(config, runner, tokenizer, max_len, arch.vocab_size)
     return engine, tokenizer

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -44,20 +46,28 @@ def _wait_healthy(proc: subprocess.Popen, base: str) -> None:
     raise AssertionError("server did not become healthy in 120 s")
 
 
-@pytest.fixture(scope="module")
-def server(tiny_models):
+@contextlib.contextmanager
+def running_server(model_dir, *extra: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A healthy server process on a free loopback port; always stopped afterwards."""
     port = _free_port()
-    proc = _start(tiny_models("llama"), port)
+    proc = _start(model_dir, port, *extra)
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(proc, base)
-        yield base
+        yield proc, base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    with running_server(tiny_models("llama")) as (_, base):
+        yield base
 
 
 @pytest.fixture
@@ -245,11 +255,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_models):
     import signal
     import threading
 
-    port = _free_port()
-    proc = _start(tiny_models("llama"), port)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(proc, base)
+    with running_server(tiny_models("llama")) as (proc, base):
         events: list[str] = []
         body = {**LONG, "max_tokens": 300, "stream": True}
 
@@ -269,21 +275,13 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_models):
         assert events and events[-1] == "data: [DONE]"
         assert '"finish_reason": "length"' in events[-2]
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_full_queue_gets_503_with_retry_after(tiny_models):
     import threading
 
-    port = _free_port()
-    proc = _start(
-        tiny_models("llama"), port, "--max-num-seqs", "1", "--max-num-queued-requests", "1"
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(proc, base)
+    extra = ("--max-num-seqs", "1", "--max-num-queued-requests", "1")
+    with running_server(tiny_models("llama"), *extra) as (_, base):
         first_token = threading.Event()
 
         def run_long() -> None:  # occupies the only running slot
@@ -312,6 +310,3 @@ def test_full_queue_gets_503_with_retry_after(tiny_models):
         assert r.json()["error"]["code"] == "server_busy"
         for t in threads:
             t.join(timeout=30)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)

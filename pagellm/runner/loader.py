@@ -1,4 +1,4 @@
-"""Load a model (HF directory or GGUF file) with its tokenizer, in the requested dtype."""
+"""Open a model (HF directory or GGUF file) and load its weights in the requested dtype."""
 
 from __future__ import annotations
 
@@ -13,15 +13,6 @@ from torch import nn
 from pagellm.fetch import require_default_model
 from pagellm.models.arch import ModelArch
 from pagellm.models.registry import resolve_model_class
-from pagellm.runner.tokenizer import Tokenizer
-
-
-@dataclass
-class LoadedModel:
-    arch: ModelArch
-    model: nn.Module
-    tokenizer: Tokenizer
-    source: Path
 
 
 def resolve_source(model: str | None) -> Path:
@@ -55,21 +46,30 @@ def _cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def read_arch(source: Path) -> tuple[ModelArch, Any]:
-    """The model's shape, and the opened GGUF file (None for an HF directory)."""
+@dataclass(frozen=True)
+class ModelFiles:
+    """A model's location, shape, and its GGUF file opened once (None for an HF directory)."""
+
+    path: Path
+    arch: ModelArch
+    gguf: Any = None
+
+
+def open_model(source: Path) -> ModelFiles:
+    """Read the model's metadata (config.json or the GGUF header); weights are read later."""
     if source.is_file():
         from pagellm.runner.gguf_loader import GGUFModel
 
         gguf_model = GGUFModel(source)
-        return ModelArch.from_hf_config(gguf_model.config), gguf_model
+        return ModelFiles(source, ModelArch.from_hf_config(gguf_model.config), gguf_model)
     config_file = source / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{source} has no config.json (expected an HF model directory)")
-    return ModelArch.from_hf_config(json.loads(config_file.read_text())), None
+    return ModelFiles(source, ModelArch.from_hf_config(json.loads(config_file.read_text())))
 
 
-def load_model(source: Path, dtype: torch.dtype, backend: Any) -> nn.Module:
-    arch, gguf_model = read_arch(source)
+def load_model(files: ModelFiles, dtype: torch.dtype, backend: Any) -> nn.Module:
+    arch, gguf_model, source = files.arch, files.gguf, files.path
     cls = resolve_model_class(arch.architecture)
     freq_factors = gguf_model.rope_freq_factors() if gguf_model is not None else None
     with torch.device("meta"):

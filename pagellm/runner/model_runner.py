@@ -17,7 +17,7 @@ from pagellm.config import GIB, CacheConfig
 from pagellm.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagellm.kernels.paged_attention import load_paged_decode_kernel
 from pagellm.models.arch import ModelArch
-from pagellm.runner.loader import load_model
+from pagellm.runner.loader import ModelFiles, load_model
 from pagellm.runner.malloc import keep_heap_memory
 from pagellm.sampling.sampler import Sampler
 
@@ -42,7 +42,8 @@ def num_blocks_for(arch: ModelArch, cache: CacheConfig, dtype: torch.dtype) -> i
 
 
 class ModelRunner:
-    def __init__(self, source, arch: ModelArch, dtype: torch.dtype, cache: CacheConfig) -> None:
+    def __init__(self, files: ModelFiles, dtype: torch.dtype, cache: CacheConfig) -> None:
+        arch = files.arch
         keep_heap_memory()
         self.arch = arch
         self.dtype = dtype
@@ -55,7 +56,7 @@ class ModelRunner:
             dtype,
             decode_kernel=load_paged_decode_kernel(),
         )
-        self.model = load_model(source, dtype, self.backend)
+        self.model = load_model(files, dtype, self.backend)
         self.num_blocks = num_blocks_for(arch, cache, dtype)
         self.kv_caches = self.backend.allocate_cache(arch.num_layers, self.num_blocks)
         self.sampler = Sampler()

@@ -186,6 +186,21 @@ class _Context:
         self.settings = settings
         self.latencies: RequestLatencies | None = None
 
+    def _chunker(self, rid: str, obj: str, created: int):
+        """A builder of this response's stream events: choices plus optional extra fields."""
+
+        def chunk(choices: list[dict], **extra: Any) -> dict:
+            return {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": self.settings.model_name,
+                "choices": choices,
+                **extra,
+            }
+
+        return chunk
+
     def _generate(self, rid: str, ids: list[int], params: SamplingParams, priority: int):
         gen = self.front.generate(rid, ids, params, priority)
         if self.latencies is None:
@@ -265,15 +280,7 @@ class _Context:
         )
 
     async def _completion_events(self, gen, rid, created, body) -> AsyncIterator[dict]:
-        def chunk(choices: list[dict], **extra: Any) -> dict:
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.settings.model_name,
-                "choices": choices,
-                **extra,
-            }
+        chunk = self._chunker(rid, "text_completion", created)
 
         async for item in _text_deltas(gen, body.n, _want_usage(body)):
             if isinstance(item, _Usage):
@@ -326,15 +333,7 @@ class _Context:
         )
 
     async def _chat_events(self, gen, rid, created, body) -> AsyncIterator[dict]:
-        def chunk(choices: list[dict], **extra: Any) -> dict:
-            return {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.settings.model_name,
-                "choices": choices,
-                **extra,
-            }
+        chunk = self._chunker(rid, "chat.completion.chunk", created)
 
         yield chunk(
             [
