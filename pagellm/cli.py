@@ -43,6 +43,49 @@ def _base_type(annotation: Any) -> type:
     return annotation
 
 
+def add_config_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="YAML file of settings named as the flags (max-num-seqs: 64); flags override it",
+    )
+    parser.set_defaults(subparser=parser)
+
+
+def config_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    """The YAML file's settings as parser defaults, checked like the flags would be."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        parser.error(f"cannot read --config {path}: {exc}")
+    if not isinstance(data, dict):
+        parser.error(f"--config {path}: expected a mapping of setting names to values")
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config", "subparser")}
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        action = actions.get(dest)
+        if action is None:
+            parser.error(f"--config {path}: unknown setting {key!r}")
+        values[dest] = _checked_value(parser, action, key, value)
+    return values
+
+
+def _checked_value(parser: argparse.ArgumentParser, action: argparse.Action, key: Any, value: Any):
+    if value is None or action.type is None or isinstance(value, bool):
+        return value
+    try:
+        value = action.type(value)
+    except (TypeError, ValueError):
+        parser.error(f"--config: {key}: {value!r} is not a valid {action.type.__name__}")
+    if action.choices is not None and value not in action.choices:
+        parser.error(f"--config: {key}: {value!r} is not one of {list(action.choices)}")
+    return value
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from pagellm.engine.sampling_params import SamplingParams
     from pagellm.llm import LLM
@@ -102,6 +145,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_num_queued_requests=args.max_num_queued_requests,
         max_num_queued_tokens=args.max_num_queued_tokens,
+        request_timeout=args.request_timeout,
     )
     front = AsyncLLMEngine(engine)
     front.start()
@@ -137,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="wrap the prompt in the model's chat template (default on)",
     )
     add_engine_args(gen)
+    add_config_arg(gen)
     gen.set_defaults(func=_cmd_generate)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
@@ -147,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
     serve.add_argument("--max-num-queued-requests", type=int, default=None)
     serve.add_argument("--max-num-queued-tokens", type=int, default=None)
+    serve.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="abort a request this many seconds after it arrives and answer 504 (default: none)",
+    )
     serve.add_argument("--log-level", default="info")
     serve.add_argument(
         "--shutdown-timeout",
@@ -155,18 +206,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM: stop accepting, let in-flight requests finish this long, exit 0",
     )
     add_engine_args(serve)
+    add_config_arg(serve)
     serve.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks that write JSON and print a table")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from pagellm.bench import serve as bench_serve
     from pagellm.bench import throughput
 
     throughput.add_parser(bench_sub)
+    bench_serve.add_parser(bench_sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        args.subparser.set_defaults(**config_defaults(args.subparser, args.config))
+        args = parser.parse_args(argv)  # flags given on the command line win over the file
     return int(args.func(args) or 0)
 
 

@@ -2,66 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-
-MODEL_NAME = "tiny-llama"
-API_KEY = "test-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(model_dir, port: int, *extra: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable, "-m", "pagellm.cli", "serve", "--model", str(model_dir),
-        "--dtype", "float32", "--kv-cache-memory", "0.02", "--max-model-len", "512",
-        "--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--port", str(port),
-        "--max-body-bytes", "20000", "--log-level", "warning", *extra,
-    ]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _wait_healthy(proc: subprocess.Popen, base: str) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("server did not become healthy in 120 s")
-
-
-@contextlib.contextmanager
-def running_server(model_dir, *extra: str) -> Iterator[tuple[subprocess.Popen, str]]:
-    """A healthy server process on a free loopback port; always stopped afterwards."""
-    port = _free_port()
-    proc = _start(model_dir, port, *extra)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(proc, base)
-        yield proc, base
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+from server_helpers import API_KEY, AUTH, MODEL_NAME, metrics, running_server
 
 
 @pytest.fixture(scope="module")
@@ -201,26 +147,14 @@ def test_tokenize_roundtrip(server):
     assert text.json()["prompt"] == "hello world"
 
 
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-def _metrics(server) -> dict[str, float]:
-    values = {}
-    for line in httpx.get(f"{server}/metrics").text.splitlines():
-        if line.startswith("pagellm:"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
-
-
 def _aborted(server) -> float:
-    return sum(v for k, v in _metrics(server).items() if 'finished_reason="abort"' in k)
+    return sum(v for k, v in metrics(server).items() if 'finished_reason="abort"' in k)
 
 
 def _wait_idle(server, aborted_before: float) -> dict[str, float]:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        m = _metrics(server)
+        m = metrics(server)
         running = m[f'pagellm:num_requests_running{{model_name="{MODEL_NAME}"}}']
         kv = m[f'pagellm:kv_cache_usage_perc{{model_name="{MODEL_NAME}"}}']
         if running == 0 and kv == 0 and _aborted(server) > aborted_before:
@@ -301,9 +235,9 @@ def test_full_queue_gets_503_with_retry_after(tiny_models):
         threads[1].start()
         waiting = f'pagellm:num_requests_waiting{{model_name="{MODEL_NAME}"}}'
         deadline = time.monotonic() + 10
-        while _metrics(base)[waiting] < 1 and time.monotonic() < deadline:
+        while metrics(base)[waiting] < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert _metrics(base)[waiting] == 1
+        assert metrics(base)[waiting] == 1
         r = httpx.post(f"{base}/v1/completions", json={**LONG, "max_tokens": 2}, headers=AUTH)
         assert r.status_code == 503
         assert r.headers["retry-after"] == "1"

@@ -183,8 +183,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch step; returns an output for every request that advanced."""
+        start = self.clock()
         sched = self.scheduler.schedule()
+        before_execute = self.clock()
         result = self.executor.execute(sched)
+        self.stats.execute_seconds += self.clock() - before_execute
         touched = self.scheduler.update(sched, result)
         groups: dict[str, _Group] = {}
         for req in touched:
@@ -193,7 +196,9 @@ class LLMEngine:
                 continue
             self._process_token(group, req, result)
             groups[group.request_id] = group
-        return [self._finish_or_snapshot(g) for g in groups.values()]
+        outputs = [self._finish_or_snapshot(g) for g in groups.values()]
+        self.stats.busy_seconds += self.clock() - start
+        return outputs
 
     def _process_token(self, group: _Group, req: Request, result: RunnerOutput) -> None:
         seq = next(s for s in group.seqs if s.request is req)

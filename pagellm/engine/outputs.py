@@ -99,6 +99,10 @@ class EngineStats:
     """Engine-wide counters for benchmarks and metrics."""
 
     num_steps: int = 0
+    busy_seconds: float = 0.0
+    """Wall time spent inside ``LLMEngine.step`` (scheduling, model, bookkeeping)."""
+    execute_seconds: float = 0.0
+    """Of that, wall time inside the executor (input preparation, forward, sampling)."""
     num_preemptions: int = 0
     num_running: int = 0
     num_waiting: int = 0

@@ -46,6 +46,8 @@ class ServerSettings:
     """Requests admitted but not yet producing output; over it new ones get 503."""
     max_num_queued_tokens: int | None = None
     """Prompt tokens of those queued requests; over it new ones get 503."""
+    request_timeout: float | None = None
+    """Seconds from arrival after which a request is aborted and answered 504."""
 
 
 def build_app(front: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -> FastAPI:
@@ -203,9 +205,14 @@ class _Context:
 
     def _generate(self, rid: str, ids: list[int], params: SamplingParams, priority: int):
         gen = self.front.generate(rid, ids, params, priority)
-        if self.latencies is None:
-            return gen
-        return self.latencies.observe(gen, time.monotonic)
+        if self.latencies is not None:
+            gen = self.latencies.observe(gen, time.monotonic)
+        if self.settings.request_timeout is not None:
+            gen = _with_deadline(gen, self.settings.request_timeout)
+        return gen
+
+    def _namer(self, body):
+        return _token_namer(self.tokenizer, body.return_tokens_as_token_ids)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model_name:
@@ -237,6 +244,8 @@ class _Context:
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
+        if body.echo:
+            raise APIError(400, "echo is not supported", param="echo")
         prompts = _prompt_list(body.prompt)
         prepared = [self.front.engine.prepare_prompt(p) for p in prompts]
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
@@ -244,17 +253,13 @@ class _Context:
         self._admit(sum(len(ids) for _, ids in prepared))
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        if body.stream:
-            if len(prompts) != 1:
-                raise APIError(400, "streaming takes a single prompt", param="prompt")
-            gen = self._generate(rid, prepared[0][1], params[0], body.priority)
-            events = self._completion_events(gen, rid, created, body)
-            return _sse(events)
-        runs = [
-            _last(self._generate(f"{rid}-{i}", ids, p, body.priority))
+        gens = [
+            self._generate(f"{rid}-{i}", ids, p, body.priority)
             for i, ((_, ids), p) in enumerate(zip(prepared, params, strict=True))
         ]
-        finals = await _until_disconnect(raw, asyncio.gather(*runs))
+        if body.stream:
+            return _sse(self._completion_events(gens, rid, created, body))
+        finals = await _until_disconnect(raw, _all_finals(gens))
         choices, usage = [], _Usage()
         for i, out in enumerate(finals):
             usage.add(out)
@@ -263,7 +268,7 @@ class _Context:
                     {
                         "index": i * body.n + comp.index,
                         "text": comp.text,
-                        "logprobs": _completion_logprobs(comp, self.tokenizer),
+                        "logprobs": _completion_logprobs(comp.logprobs, self._namer(body)),
                         "finish_reason": comp.finish_reason,
                         "stop_reason": comp.stop_reason,
                     }
@@ -279,16 +284,26 @@ class _Context:
             }
         )
 
-    async def _completion_events(self, gen, rid, created, body) -> AsyncIterator[dict]:
+    async def _completion_events(self, gens, rid, created, body) -> AsyncIterator[dict]:
+        """One stream over all prompts: prompt i's copy j is choice ``i * n + j``."""
         chunk = self._chunker(rid, "text_completion", created)
-
-        async for item in _text_deltas(gen, body.n, _want_usage(body)):
+        usage = _Usage()
+        deltas = [_text_deltas(g, body.n) for g in gens]
+        async for prompt_index, item in _merged(deltas):
             if isinstance(item, _Usage):
-                yield chunk([], usage=item.as_dict())
+                usage.merge(item)
                 continue
-            index, delta, finish = item
-            choice = {"index": index, "text": delta, "logprobs": None, "finish_reason": finish}
+            choice = {
+                "index": prompt_index * body.n + item.index,
+                "text": item.text,
+                "logprobs": _completion_logprobs(item.logprobs, self._namer(body)),
+                "finish_reason": item.finish_reason,
+            }
+            if item.finish_reason is not None:
+                choice["stop_reason"] = item.stop_reason
             yield chunk([choice])
+        if _want_usage(body):
+            yield chunk([], usage=usage.as_dict())
 
     # ----- /v1/chat/completions ---------------------------------------------------------
 
@@ -315,7 +330,7 @@ class _Context:
             {
                 "index": comp.index,
                 "message": {"role": "assistant", "content": comp.text},
-                "logprobs": _chat_logprobs(comp, self.tokenizer) if body.logprobs else None,
+                "logprobs": _chat_logprobs(comp.logprobs, self._namer(body)),
                 "finish_reason": comp.finish_reason,
                 "stop_reason": comp.stop_reason,
             }
@@ -341,23 +356,44 @@ class _Context:
                 for i in range(body.n)
             ]
         )
-        async for item in _text_deltas(gen, body.n, _want_usage(body)):
+        async for item in _text_deltas(gen, body.n):
             if isinstance(item, _Usage):
-                yield chunk([], usage=item.as_dict())
+                if _want_usage(body):
+                    yield chunk([], usage=item.as_dict())
                 continue
-            index, delta, finish = item
-            content = {"content": delta} if delta else {}
-            yield chunk([{"index": index, "delta": content, "finish_reason": finish}])
+            choice = {
+                "index": item.index,
+                "delta": {"content": item.text} if item.text else {},
+                "logprobs": _chat_logprobs(item.logprobs, self._namer(body)),
+                "finish_reason": item.finish_reason,
+            }
+            if item.finish_reason is not None:
+                choice["stop_reason"] = item.stop_reason
+            yield chunk([choice])
 
 
 def _want_usage(body) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
-async def _text_deltas(gen, n: int, with_usage: bool) -> AsyncIterator:
-    """(choice index, new text, finish reason) per change of any of the n completions, then
-    the usage when asked for. Text is cumulative in the outputs; only what is new goes out."""
-    sent = [0] * n
+@dataclass(frozen=True, slots=True)
+class _Delta:
+    """What changed in one of a request's n completions since the last event."""
+
+    index: int
+    text: str
+    logprobs: list | None
+    """Logprobs of the tokens that arrived with this change (None when not asked for)."""
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
+async def _text_deltas(gen, n: int) -> AsyncIterator:
+    """A ``_Delta`` per change of any of the n completions, then the request's ``_Usage``.
+
+    Text and logprobs are cumulative in the outputs; only what is new goes out."""
+    sent_text = [0] * n
+    sent_tokens = [0] * n
     done: set[int] = set()
     last: RequestOutput | None = None
     async for out in gen:
@@ -365,16 +401,53 @@ async def _text_deltas(gen, n: int, with_usage: bool) -> AsyncIterator:
         for comp in out.outputs:
             if comp.index in done:
                 continue  # finished copies reappear while the others run on
-            delta = comp.text[sent[comp.index] :]
-            if delta or comp.finish_reason is not None:
-                sent[comp.index] = len(comp.text)
-                if comp.finish_reason is not None:
-                    done.add(comp.index)
-                yield comp.index, delta, comp.finish_reason
-    if last is not None and with_usage:
+            i = comp.index
+            text = comp.text[sent_text[i] :]
+            if not text and comp.finish_reason is None:
+                continue  # text held back (partial UTF-8, a possible stop string)
+            logprobs = None if comp.logprobs is None else comp.logprobs[sent_tokens[i] :]
+            sent_text[i] = len(comp.text)
+            sent_tokens[i] = len(comp.token_ids)
+            if comp.finish_reason is not None:
+                done.add(i)
+            yield _Delta(i, text, logprobs, comp.finish_reason, comp.stop_reason)
+    if last is not None:
         usage = _Usage()
         usage.add(last)
         yield usage
+
+
+_END = object()
+
+
+async def _merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """(stream index, item) from all streams as items arrive. The first error ends the whole
+    merge; leaving early cancels the pumps, which aborts their requests in the engine."""
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                await inbox.put((i, item))
+            await inbox.put((i, _END))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            await inbox.put((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await inbox.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _prompt_list(prompt: Any) -> list[str | list[int]]:
@@ -395,6 +468,16 @@ async def _last(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
     return last
 
 
+async def _all_finals(gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Every request's final output; if one fails the others are cancelled (and aborted)."""
+    tasks = [asyncio.ensure_future(_last(g)) for g in gens]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 async def _until_disconnect(raw: Request, awaitable) -> Any:
     """Await while the client is connected; on disconnect cancel (which aborts in the engine)."""
     task = asyncio.ensure_future(awaitable)
@@ -407,16 +490,40 @@ async def _until_disconnect(raw: Request, awaitable) -> Any:
             raise APIError(400, "client disconnected")
 
 
+async def _with_deadline(gen: AsyncIterator[RequestOutput], seconds: float) -> AsyncIterator:
+    """Pass ``gen`` through until ``seconds`` from now; then abort it (closing ``gen`` aborts
+    the request in the engine) and raise a 504."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    try:
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    out = await anext(gen)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise APIError(
+                    504, f"the request timed out after {seconds:g} s", code="request_timeout"
+                ) from None
+            yield out
+    finally:
+        await gen.aclose()
+
+
 def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
     import json
+
+    def error_event(status: int, message: str, code: str | None = None) -> bytes:
+        return f"data: {json.dumps(error_body(status, message, None, code))}\n\n".encode()
 
     async def body() -> AsyncIterator[bytes]:
         try:
             async for event in events:
                 yield f"data: {json.dumps(event)}\n\n".encode()
+        except APIError as exc:
+            yield error_event(exc.status, exc.message, exc.code)
         except (RequestRejected, EngineDeadError, ValueError) as exc:
-            status = 503 if isinstance(exc, EngineDeadError) else 400
-            yield f"data: {json.dumps(error_body(status, str(exc), None, None))}\n\n".encode()
+            yield error_event(503 if isinstance(exc, EngineDeadError) else 400, str(exc))
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")
@@ -431,6 +538,10 @@ class _Usage:
         self.prompt += len(out.prompt_token_ids)
         self.completion += sum(len(c.token_ids) for c in out.outputs)
 
+    def merge(self, other: _Usage) -> None:
+        self.prompt += other.prompt
+        self.completion += other.completion
+
     def as_dict(self) -> dict[str, int]:
         total = self.prompt + self.completion
         return {
@@ -440,31 +551,34 @@ class _Usage:
         }
 
 
-def _completion_logprobs(comp, tokenizer) -> dict | None:
-    if comp.logprobs is None:
+def _token_namer(tokenizer: Any, as_ids: bool):
+    """How logprobs name a token: its text, or "token_id:{id}" when the client asked."""
+    if as_ids:
+        return lambda token_id: f"token_id:{token_id}"
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _completion_logprobs(logprobs: list | None, name) -> dict | None:
+    if logprobs is None:
         return None
-    tokens = [tokenizer.decode([lp.token_id], skip_special_tokens=False) for lp in comp.logprobs]
     return {
-        "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in comp.logprobs],
-        "top_logprobs": [
-            {tokenizer.decode([t], skip_special_tokens=False): v for t, v in lp.top}
-            for lp in comp.logprobs
-        ],
+        "tokens": [name(lp.token_id) for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{name(t): v for t, v in lp.top} for lp in logprobs],
     }
 
 
-def _chat_logprobs(comp, tokenizer) -> dict | None:
-    if comp.logprobs is None:
+def _chat_logprobs(logprobs: list | None, name) -> dict | None:
+    if logprobs is None:
         return None
 
     def entry(token_id: int, logprob: float) -> dict:
-        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        text = name(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     return {
         "content": [
             {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-            for lp in comp.logprobs
+            for lp in logprobs
         ]
     }

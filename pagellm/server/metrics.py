@@ -38,6 +38,13 @@ class EngineCollector(Collector):
         yield self._counter("prompt_tokens", "Prompt tokens received.", s.prompt_tokens)
         yield self._counter("generation_tokens", "Tokens generated.", s.generation_tokens)
         yield self._counter("num_preemptions", "Preemptions by recompute.", s.num_preemptions)
+        yield self._counter("engine_steps", "Engine steps run.", s.num_steps)
+        yield self._counter("engine_busy_seconds", "Wall time inside engine steps.", s.busy_seconds)
+        yield self._counter(
+            "engine_execute_seconds",
+            "Wall time inside the model executor (inputs, forward, sampling).",
+            s.execute_seconds,
+        )
         done = CounterMetricFamily(
             "pagellm:request_success",
             "Finished sequences by finish reason.",
@@ -49,8 +56,11 @@ class EngineCollector(Collector):
 
 
 def make_registry(stats: EngineStats, model_name: str) -> CollectorRegistry:
+    from prometheus_client import ProcessCollector
+
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(stats, model_name))
+    ProcessCollector(registry=registry)  # process_cpu_seconds_total, resident memory
     return registry
 
 

@@ -33,6 +33,8 @@ class _Common(BaseModel):
     min_tokens: int = 0
     user: str | None = None
     priority: int = 0
+    return_tokens_as_token_ids: bool = False
+    """vLLM's extension: logprobs name tokens as "token_id:{id}" instead of their text."""
     stream: bool = False
     stream_options: StreamOptions | None = None
 
