@@ -42,6 +42,13 @@ def test_completion_and_stream_agree(client):
     assert text == full.choices[0].text
     assert chunks[-1].usage.completion_tokens == 12
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    counted = httpx.post(
+        f"{client.base_url}".removesuffix("/v1/") + "/tokenize",
+        json={"prompt": "Hello there"},
+        headers=AUTH,
+    ).json()["count"]
+    assert full.usage.prompt_tokens == counted
+    assert full.usage.total_tokens == counted + 12
 
 
 def test_token_id_prompts_and_n(client):
@@ -72,6 +79,10 @@ def test_chat_stream_and_plain(client):
     )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == full.choices[0].message.content
+    server = f"{client.base_url}".removesuffix("/v1/")
+    counted = httpx.post(f"{server}/tokenize", json={"messages": messages}, headers=AUTH)
+    assert full.usage.prompt_tokens == counted.json()["count"]
+    assert 1 <= full.usage.completion_tokens <= 8
 
 
 def test_async_client_concurrent(server):
@@ -138,6 +149,16 @@ def test_latency_histograms_are_exported(server, client):
     ):
         count = [ln for ln in text.splitlines() if ln.startswith(f"pagellm:{name}_count")]
         assert count and float(count[0].rsplit(" ", 1)[1]) >= 1, name
+    for name in (
+        "engine_steps",
+        "engine_busy_seconds",
+        "engine_execute_seconds",
+        "engine_thread_cpu_seconds",
+        "api_thread_cpu_seconds",
+    ):
+        total = [ln for ln in text.splitlines() if ln.startswith(f"pagellm:{name}_total")]
+        assert total and float(total[0].rsplit(" ", 1)[1]) > 0, name
+    assert any(ln.startswith("process_cpu_seconds_total") for ln in text.splitlines())
 
 
 def test_tokenize_roundtrip(server):

@@ -28,6 +28,8 @@ SERVER_COUNTERS = {
     "pagellm:engine_busy_seconds": "engine_busy_seconds",
     "pagellm:engine_execute_seconds": "engine_execute_seconds",
     "pagellm:generation_tokens": "generation_tokens",
+    "pagellm:engine_thread_cpu_seconds": "engine_thread_cpu_seconds",
+    "pagellm:api_thread_cpu_seconds": "api_thread_cpu_seconds",
     "process_cpu_seconds": "process_cpu_seconds",
 }
 """Counters read from /metrics before and after the run (family name -> report key)."""
@@ -276,8 +278,9 @@ def server_side(before: dict[str, float], after: dict[str, float], duration: flo
         delta["engine_host_frac_of_step"] = 1.0 - delta["engine_execute_seconds"] / busy
         steps = delta.get("engine_steps") or 0
         delta["mean_step_ms"] = 1000.0 * busy / steps if steps else None
-    if delta.get("process_cpu_seconds") is not None:
-        delta["process_cpu_cores"] = delta["process_cpu_seconds"] / duration
+    for key in ("process_cpu_seconds", "engine_thread_cpu_seconds", "api_thread_cpu_seconds"):
+        if delta.get(key) is not None:
+            delta[key.replace("_seconds", "_cores")] = delta[key] / duration
     return delta
 
 
@@ -326,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
         save_workload(args.save_workload, requests)
     model = args.model or resolve_model(base_url, args.api_key)
     before = scrape_counters(base_url, args.api_key)
+    client_cpu = time.process_time()
     results, duration = asyncio.run(
         run_requests(
             base_url,
@@ -340,7 +344,10 @@ def run(args: argparse.Namespace) -> int:
             timeout=args.request_timeout,
         )
     )
+    client_cpu = time.process_time() - client_cpu
     after = scrape_counters(base_url, args.api_key)
+    summary = summarize(results, duration)
+    summary["client_cpu_cores"] = client_cpu / duration if duration else None
     report = {
         "benchmark": "serve",
         "label": args.label or base_url,
@@ -349,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
         "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
         "max_concurrency": args.max_concurrency,
         "workload": workload_summary(requests),
-        "results": summarize(results, duration),
+        "results": summary,
         "server": server_side(before, after, duration),
         "environment": rep.environment(),
     }
@@ -396,7 +403,10 @@ def render(report: dict[str, Any]) -> str:
             f"server: engine busy {server['engine_busy_frac']:.0%} of the run, "
             f"host share of a step {server['engine_host_frac_of_step']:.1%}, "
             f"mean step {server['mean_step_ms']:.1f} ms, "
-            f"process CPU {server.get('process_cpu_cores', float('nan')):.2f} cores"
+            f"CPU cores: process {server.get('process_cpu_cores', float('nan')):.2f}, "
+            f"engine thread {server.get('engine_thread_cpu_cores', float('nan')):.2f}, "
+            f"HTTP thread {server.get('api_thread_cpu_cores', float('nan')):.2f}, "
+            f"this client {r['client_cpu_cores']:.2f}"
         )
     if r["errors"]:
         lines.append("errors: " + "; ".join(r["errors"]))

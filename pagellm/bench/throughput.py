@@ -138,6 +138,8 @@ def run_engine(llm: Any, requests: list[BenchRequest], progress: bool = True) ->
         "kv_waste_frac": stats.kv_waste_at_peak,
         "num_preemptions": stats.num_preemptions - before.num_preemptions,
         "num_steps": stats.num_steps - before.num_steps,
+        "engine_busy_s": stats.busy_seconds - before.busy_seconds,
+        "engine_execute_s": stats.execute_seconds - before.execute_seconds,
         "expected_output_tokens": sum(r.output_len for r in requests),
     }
     prompt = sum(len(o.prompt_token_ids) for o in outs)

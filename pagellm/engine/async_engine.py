@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -53,6 +54,8 @@ class AsyncLLMEngine:
         self._streams_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
         self._stopped = False
+        self.thread_cpu_seconds = 0.0
+        """CPU time of the engine thread (its own, not torch's worker threads), per step."""
         self._queued: dict[str, int] = {}
         """Requests admitted but without a first output yet -> their prompt tokens (event loop)."""
 
@@ -130,6 +133,7 @@ class AsyncLLMEngine:
                 if self.engine.has_unfinished_requests():
                     for out in self.engine.step():
                         self._deliver(out.request_id, out)
+                    self.thread_cpu_seconds = time.thread_time()
         except BaseException as exc:  # noqa: BLE001 - every stream must learn of it
             self.error = exc
             self._fail_all(exc)

@@ -31,8 +31,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> SampleResult:
         """``logits`` [len(reqs), vocab] in the model's dtype; row i belongs to ``reqs[i]``.
 
-        A pure greedy batch takes the argmax as is (widening to float32 changes no value);
-        everything else works in float32.
+        A pure greedy batch takes the argmax of the logits widened to float32 (exact, and
+        torch's float32 argmax is ~2x faster on CPU than its bf16 one); everything else works
+        in float32.
         """
         simple = all(
             r.params.greedy
@@ -42,7 +43,7 @@ class Sampler:
             for r in reqs
         )
         if simple:
-            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(reqs))
+            return SampleResult(logits.float().argmax(dim=-1).tolist(), [None] * len(reqs))
         raw = logits.float()
         logits = raw.clone()
         for i, req in enumerate(reqs):

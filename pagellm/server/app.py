@@ -62,7 +62,9 @@ def build_app(front: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -
             return Response(status_code=200)
         return JSONResponse(error_body(503, "engine is not running", None, None), 503)
 
-    registry = make_registry(front.engine.stats, settings.model_name)
+    registry = make_registry(
+        front.engine.stats, settings.model_name, lambda: front.thread_cpu_seconds
+    )
     ctx.latencies = RequestLatencies(registry, settings.model_name)
 
     @app.get("/metrics")

@@ -6,7 +6,8 @@ no globals.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -55,11 +56,45 @@ class EngineCollector(Collector):
         yield done
 
 
-def make_registry(stats: EngineStats, model_name: str) -> CollectorRegistry:
+class ThreadCpuCollector(Collector):
+    """CPU seconds of the engine thread and of the thread serving HTTP (the event loop).
+
+    ``collect`` runs inside the /metrics handler, on the event loop's thread, so
+    ``time.thread_time()`` there is that thread's CPU time. Together with the step counters
+    these show how much the HTTP side takes from the engine (see docs/architecture.md).
+    """
+
+    def __init__(self, engine_thread_cpu: Callable[[], float], model_name: str) -> None:
+        self.engine_thread_cpu = engine_thread_cpu
+        self.labels = {"model_name": model_name}
+
+    def collect(self) -> Iterator[Metric]:
+        for name, doc, value in (
+            (
+                "engine_thread_cpu_seconds",
+                "CPU time of the engine thread.",
+                self.engine_thread_cpu(),
+            ),
+            (
+                "api_thread_cpu_seconds",
+                "CPU time of the HTTP event-loop thread.",
+                time.thread_time(),
+            ),
+        ):
+            c = CounterMetricFamily(f"pagellm:{name}", doc, labels=list(self.labels))
+            c.add_metric(list(self.labels.values()), value)
+            yield c
+
+
+def make_registry(
+    stats: EngineStats, model_name: str, engine_thread_cpu: Callable[[], float] | None = None
+) -> CollectorRegistry:
     from prometheus_client import ProcessCollector
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(stats, model_name))
+    if engine_thread_cpu is not None:
+        registry.register(ThreadCpuCollector(engine_thread_cpu, model_name))
     ProcessCollector(registry=registry)  # process_cpu_seconds_total, resident memory
     return registry
 
