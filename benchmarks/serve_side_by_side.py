@@ -38,6 +38,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-pagellm", action="store_true")
     p.add_argument("--pagellm-extra", default="", help="extra flags for pagellm serve")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=FLAGS",
+        help="a pagellm server to run (repeatable), e.g. 'no cache=--no-enable-prefix-caching'; "
+        "default: one, 'pagellm serve' with --pagellm-extra",
+    )
+    p.add_argument("--request-rate", default=None, help="passed to bench serve (Poisson)")
     p.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python")
     p.add_argument("--vllm-model", default="/tmp/smol-bf16-hf", help="HF folder (bench throughput)")
     p.add_argument(
@@ -86,6 +95,8 @@ def bench_serve(base: str, args: argparse.Namespace, out: Path, label: str) -> d
         "--num-prompts", str(args.num_prompts or 10**9), "--max-concurrency",
         str(args.concurrency), "--label", label, "--output-json", str(out),
     ]  # fmt: skip
+    if args.request_rate:
+        cmd += ["--request-rate", str(args.request_rate)]
     subprocess.run(cmd, check=True)
     return json.loads(out.read_text())
 
@@ -106,15 +117,15 @@ def run_offline(args: argparse.Namespace, out_dir: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def run_pagellm(args: argparse.Namespace, out_dir: Path) -> dict:
+def run_pagellm(args: argparse.Namespace, out_dir: Path, label: str, flags: str) -> dict:
     port = free_port()
     cmd = [
         *PAGELLM, "serve", "--port", str(port), "--dtype", args.dtype,
-        "--max-model-len", str(args.max_model_len), "--log-level", "warning",
-        *args.pagellm_extra.split(),
+        "--max-model-len", str(args.max_model_len), "--log-level", "warning", *flags.split(),
     ]  # fmt: skip
-    with server(cmd, port, dict(os.environ), out_dir / "pagellm_server.log") as base:
-        return bench_serve(base, args, out_dir / "pagellm.json", "pagellm serve")
+    name = "pagellm" if label == "pagellm serve" else "pagellm_" + "_".join(label.split())
+    with server(cmd, port, dict(os.environ), out_dir / f"{name}_server.log") as base:
+        return bench_serve(base, args, out_dir / f"{name}.json", label)
 
 
 def run_vllm(args: argparse.Namespace, out_dir: Path, reserved: str) -> dict:
@@ -138,7 +149,7 @@ def render(offline: dict | None, runs: list[dict]) -> str:
     base = offline["engine"]["output_tokens_per_s"] if offline else None
     rows = []
     if offline:
-        rows.append(["pagellm offline", f"{base:.1f}", "1.00", "-", "-", "-", "-"])
+        rows.append(["pagellm offline", f"{base:.1f}", "1.00", "-", "-", "-", "-", "-"])
     for r in runs:
         res = r["results"]
         ratio = f"{res['output_throughput'] / base:.2f}" if base else "-"
@@ -151,10 +162,19 @@ def render(offline: dict | None, runs: list[dict]) -> str:
                 f"{res['p99_ttft_ms']:.0f}",
                 f"{res['median_tpot_ms']:.1f}",
                 f"{res['median_itl_ms']:.1f}",
+                _hit_rate(r.get("server") or {}),
             ]
         )
-    headers = ["system", "out tok/s", "vs offline", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p50"]
+    headers = [
+        "system", "out tok/s", "vs offline", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p50",
+        "cache hits",
+    ]  # fmt: skip
     return format_table(headers, rows)
+
+
+def _hit_rate(server: dict) -> str:
+    rate = server.get("prefix_cache_hit_rate")
+    return "-" if rate is None else f"{rate:.1%}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     offline = None if args.skip_offline else run_offline(args, out_dir)
-    runs = [] if args.skip_pagellm else [run_pagellm(args, out_dir)]
+    variants = [v.split("=", 1) for v in args.variant] or [["pagellm serve", args.pagellm_extra]]
+    runs = [] if args.skip_pagellm else [run_pagellm(args, out_dir, *v) for v in variants]
     for reserved in filter(None, args.vllm_reserved_cpus.split(",")):
         runs.append(run_vllm(args, out_dir, reserved))
     table = render(offline, runs)

@@ -39,6 +39,8 @@ class CacheConfig:
     """KV-cache budget in GiB (CPU); the number of blocks is derived from it."""
     num_gpu_blocks_override: int | None = None
     """Exact number of KV blocks, overriding the memory budget (tests, experiments)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of full blocks whose tokens (and all before them) were computed before."""
 
 
 @dataclass(frozen=True, slots=True)

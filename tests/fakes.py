@@ -50,10 +50,11 @@ def make_engine(
     max_num_batched_tokens: int = 32,
     max_model_len: int = 128,
     chunked: bool = True,
+    prefix_caching: bool = True,
 ) -> tuple[LLMEngine, FakeRunner]:
     config = EngineConfig(
         ModelConfig(),
-        CacheConfig(block_size=block_size),
+        CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
         SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked),
     )
     runner = FakeRunner(num_blocks)

@@ -239,3 +239,19 @@ def test_render_names_a_loaded_workload() -> None:
 def test_current_rss_is_positive_on_linux() -> None:
     rss = rep.current_rss_mib()
     assert rss is None or rss > 0
+
+
+def test_prefix_workload_shares_prefixes_and_resends_history() -> None:
+    reqs = ds.prefix_workload(
+        3, prefix_len=20, input_len=5, output_len=4, vocab_size=1000, seed=0, num_turns=2
+    )
+    assert len(reqs) == 6 and all(r.output_len == 4 for r in reqs)
+    first, second = reqs[:3], reqs[3:]
+    assert all(len(r.prompt_token_ids) == 25 for r in first)
+    assert len({tuple(r.prompt_token_ids[:20]) for r in first}) == 1  # one shared system prompt
+    for a, b in zip(first, second, strict=True):  # turn 2 = turn 1 + a reply + new input
+        assert b.prompt_token_ids[:25] == a.prompt_token_ids
+        assert len(b.prompt_token_ids) == 25 + 4 + 5
+    two = ds.prefix_workload(4, 8, 2, 2, 1000, seed=1, num_prefixes=2)
+    assert two[0].prompt_token_ids[:8] == two[2].prompt_token_ids[:8]
+    assert two[0].prompt_token_ids[:8] != two[1].prompt_token_ids[:8]

@@ -30,13 +30,17 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def references(llm):
+def hf():
     import transformers
 
     path = require_default_model()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
+    return transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
+
+
+@pytest.fixture(scope="module")
+def references(llm, hf):
     prompts = [llm.tokenizer.chat_token_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
     return prompts, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
 
@@ -51,6 +55,28 @@ def test_greedy_matches_transformers_alone_and_in_a_batch(llm, references):
     batch = llm.generate(prompts + filler, params, use_tqdm=False)
     for i, ref in enumerate(refs):
         compare_greedy(batch[i].outputs[0].token_ids, ref, f"batch {i}")
+
+
+SYSTEM = (
+    "You are the support assistant of a small bakery in Lyon. You answer in short, friendly "
+    "sentences, you never invent opening hours, and when a customer asks about allergens you "
+    "tell them to call the shop. The shop sells bread, croissants, tarts and coffee."
+)
+
+
+def test_prefix_caching_keeps_greedy_outputs(llm, hf):
+    """A long shared system prompt: later questions reuse its cached blocks, answers unchanged."""
+    chats = [
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS
+    ]
+    prompts = [llm.tokenizer.chat_token_ids(c) for c in chats]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    before = llm.get_stats().prefix_cache_hits
+    outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    # the system prompt alone is over 48 tokens: each later question reuses >= 3 blocks of 16
+    assert llm.get_stats().prefix_cache_hits - before >= 3 * 3 * 16
+    for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
+        compare_greedy(out.outputs[0].token_ids, hf_greedy(hf, prompt, 12), f"cached {i}")
 
 
 def test_chat_answers_and_stops(llm):

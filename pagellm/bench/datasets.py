@@ -56,6 +56,38 @@ def random_workload(
     return [BenchRequest(row.tolist(), output_len) for row in ids]
 
 
+def prefix_workload(
+    num_prompts: int,
+    prefix_len: int,
+    input_len: int,
+    output_len: int,
+    vocab_size: int,
+    seed: int,
+    num_prefixes: int = 1,
+    num_turns: int = 1,
+) -> list[BenchRequest]:
+    """Requests that share long prefixes: ``num_prompts`` conversations, each starting with one
+    of ``num_prefixes`` system prompts of ``prefix_len`` random tokens plus ``input_len`` tokens
+    of its own, for ``num_turns`` turns. Turn t resends the history (the previous prompt, an
+    ``output_len``-token stand-in for the reply, and ``input_len`` new tokens). The list holds all
+    first turns, then all second turns, ..., so a later turn mostly follows its predecessor."""
+    if min(prefix_len, input_len, output_len, num_prefixes, num_turns) < 1:
+        raise ValueError("prefix_len, input_len, output_len, num_prefixes, num_turns must be >= 1")
+    low, high = SPECIAL_MARGIN, vocab_size - SPECIAL_MARGIN
+    rng = np.random.default_rng(seed)
+    prefixes = rng.integers(low, high, size=(num_prefixes, prefix_len)).tolist()
+    history = [prefixes[i % num_prefixes] for i in range(num_prompts)]
+    requests: list[BenchRequest] = []
+    for turn in range(num_turns):
+        for i in range(num_prompts):
+            user = rng.integers(low, high, size=input_len).tolist()
+            if turn > 0:
+                history[i] = history[i] + rng.integers(low, high, size=output_len).tolist()
+            history[i] = history[i] + user
+            requests.append(BenchRequest(list(history[i]), output_len))
+    return requests
+
+
 def sharegpt_pairs(path: str | Path) -> list[tuple[str, str]]:
     """(first human turn, the gpt reply that follows it) for each conversation that has one."""
     text = Path(path).read_text(encoding="utf-8")

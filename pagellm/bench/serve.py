@@ -28,6 +28,8 @@ SERVER_COUNTERS = {
     "pagellm:engine_busy_seconds": "engine_busy_seconds",
     "pagellm:engine_execute_seconds": "engine_execute_seconds",
     "pagellm:generation_tokens": "generation_tokens",
+    "pagellm:prefix_cache_queries": "prefix_cache_queries",
+    "pagellm:prefix_cache_hits": "prefix_cache_hits",
     "pagellm:engine_thread_cpu_seconds": "engine_thread_cpu_seconds",
     "pagellm:api_thread_cpu_seconds": "api_thread_cpu_seconds",
     "process_cpu_seconds": "process_cpu_seconds",
@@ -64,10 +66,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--tokenizer", default=None, help="tokenizer for the dataset (default: the default model)"
     )
-    p.add_argument("--dataset", choices=["random", "sharegpt"], default="sharegpt")
-    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON (default: fetched copy)")
-    p.add_argument("--input-len", type=int, default=None, help="random: prompt length (128)")
-    p.add_argument("--output-len", type=int, default=None)
+    from pagellm.bench.throughput import add_dataset_args
+
+    add_dataset_args(p, default="sharegpt")
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--workload", default=None, help="load a saved workload instead of building")
     p.add_argument("--save-workload", default=None, help="write the workload JSON here")
@@ -278,6 +279,8 @@ def server_side(before: dict[str, float], after: dict[str, float], duration: flo
         delta["engine_host_frac_of_step"] = 1.0 - delta["engine_execute_seconds"] / busy
         steps = delta.get("engine_steps") or 0
         delta["mean_step_ms"] = 1000.0 * busy / steps if steps else None
+    if delta.get("prefix_cache_queries"):
+        delta["prefix_cache_hit_rate"] = delta["prefix_cache_hits"] / delta["prefix_cache_queries"]
     for key in ("process_cpu_seconds", "engine_thread_cpu_seconds", "api_thread_cpu_seconds"):
         if delta.get(key) is not None:
             delta[key.replace("_seconds", "_cores")] = delta[key] / duration
@@ -314,6 +317,9 @@ def _load_requests(args: argparse.Namespace) -> list[BenchRequest]:
         seed=args.seed,
         tokenizer_source=args.tokenizer,
         dataset_path=path,
+        prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes,
+        num_turns=args.num_turns,
     )
     return build_workload_isolated(spec)
 
@@ -407,6 +413,12 @@ def render(report: dict[str, Any]) -> str:
             f"engine thread {server.get('engine_thread_cpu_cores', float('nan')):.2f}, "
             f"HTTP thread {server.get('api_thread_cpu_cores', float('nan')):.2f}, "
             f"this client {r['client_cpu_cores']:.2f}"
+        )
+    if "prefix_cache_hit_rate" in server:
+        lines.append(
+            f"server prefix cache: {server['prefix_cache_hits']:.0f} of "
+            f"{server['prefix_cache_queries']:.0f} prompt tokens hit "
+            f"({server['prefix_cache_hit_rate']:.1%})"
         )
     if r["errors"]:
         lines.append("errors: " + "; ".join(r["errors"]))

@@ -20,6 +20,7 @@ from pagellm.bench import report as rep
 from pagellm.bench.datasets import (
     BenchRequest,
     load_workload,
+    prefix_workload,
     random_workload,
     save_workload,
     sharegpt_workload,
@@ -28,6 +29,29 @@ from pagellm.bench.datasets import (
 
 DEFAULT_LEN = 128
 """Random prompts' input and output length when not given."""
+DEFAULT_PREFIX_SUFFIX_LEN = 32
+"""Prefix workload: each request's own prompt tokens and output length when not given."""
+
+
+def add_dataset_args(p: argparse.ArgumentParser, default: str) -> None:
+    """The workload flags both benchmarks share."""
+    p.add_argument("--dataset", choices=["random", "sharegpt", "prefix"], default=default)
+    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON (default: fetched copy)")
+    p.add_argument(
+        "--input-len",
+        type=int,
+        default=None,
+        help="random: prompt length (128); prefix: each request's own tokens (32)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="random: 128; prefix: 32; sharegpt: each reply's own length unless given",
+    )
+    p.add_argument("--prefix-len", type=int, default=1000, help="prefix: shared prompt tokens")
+    p.add_argument("--num-prefixes", type=int, default=1, help="prefix: distinct shared prompts")
+    p.add_argument("--num-turns", type=int, default=1, help="prefix: turns per conversation")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -41,6 +65,9 @@ class WorkloadSpec:
     seed: int
     tokenizer_source: str | None
     dataset_path: str | None = None
+    prefix_len: int = 1000
+    num_prefixes: int = 1
+    num_turns: int = 1
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -48,15 +75,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from pagellm.cli import add_engine_args
 
     p = subparsers.add_parser("throughput", help="offline throughput (one generate over N prompts)")
-    p.add_argument("--dataset", choices=["random", "sharegpt"], default="random")
-    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON (default: fetched copy)")
-    p.add_argument("--input-len", type=int, default=None, help="random: prompt length (128)")
-    p.add_argument(
-        "--output-len",
-        type=int,
-        default=None,
-        help="output length (random: default 128; sharegpt: default each reply's own length)",
-    )
+    add_dataset_args(p, default="random")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--workload", default=None, help="load a saved workload instead of building")
     p.add_argument("--save-workload", default=None, help="write the workload JSON here")
@@ -84,6 +103,17 @@ def build_workload(spec: WorkloadSpec) -> list[dict[str, Any]]:
         in_len = spec.input_len or DEFAULT_LEN
         out_len = spec.output_len or DEFAULT_LEN
         reqs = random_workload(spec.num_prompts, in_len, out_len, tokenizer.vocab_size, spec.seed)
+    elif spec.dataset == "prefix":
+        reqs = prefix_workload(
+            spec.num_prompts,
+            spec.prefix_len,
+            spec.input_len or DEFAULT_PREFIX_SUFFIX_LEN,
+            spec.output_len or DEFAULT_PREFIX_SUFFIX_LEN,
+            tokenizer.vocab_size,
+            spec.seed,
+            spec.num_prefixes,
+            spec.num_turns,
+        )
     else:
         reqs = sharegpt_workload(
             spec.dataset_path, tokenizer, spec.num_prompts, spec.seed, spec.output_len
@@ -112,6 +142,9 @@ def _spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
         seed=args.seed,
         tokenizer_source=args.tokenizer or args.model,
         dataset_path=path,
+        prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes,
+        num_turns=args.num_turns,
     )
 
 
@@ -159,7 +192,10 @@ def _reset_peaks(stats: Any) -> Any:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    positive = ["num_prompts", "input_len", "output_len", "hf_batch_size", "num_threads"]
+    positive = [
+        "num_prompts", "input_len", "output_len", "hf_batch_size", "num_threads",
+        "prefix_len", "num_prefixes", "num_turns",
+    ]  # fmt: skip
     bad = [name for name in positive if getattr(args, name) is not None and getattr(args, name) < 1]
     if bad:
         raise SystemExit(f"pagellm bench throughput: must be >= 1: {', '.join(bad)}")

@@ -88,7 +88,9 @@ class LLMEngine:
                 f"the KV cache holds {executor.num_blocks * block_size} tokens, fewer than "
                 f"max_model_len={max_model_len}: raise --kv-cache-memory or lower --max-model-len"
             )
-        self.kv_manager = KVCacheManager(executor.num_blocks, block_size)
+        self.kv_manager = KVCacheManager(
+            executor.num_blocks, block_size, config.cache.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, clock)
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, _Group] = {}

@@ -112,5 +112,9 @@ class EngineStats:
     """Allocated-but-unfilled slots / allocated slots, at the step of peak KV usage."""
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    prefix_cache_queries: int = 0
+    """Tokens of admitted requests looked up in the prefix cache."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens whose KV was found cached (not computed again)."""
     finished: dict[str, int] = field(default_factory=dict)
     """Finished requests (sequences) by finish reason: stop, length, abort."""

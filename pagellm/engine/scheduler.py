@@ -70,6 +70,7 @@ class Scheduler:
         if req in queue:
             queue.remove(req)
         self.kv.free(req)
+        self.kv.forget(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
@@ -129,13 +130,19 @@ class Scheduler:
             req = self.waiting[0]
             if not self._reuse_parent_prompt(req):
                 break
-            num_new = req.num_tokens - req.num_computed_tokens
+            cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            num_cached = len(cached) * self.kv.block_size
+            num_new = req.num_tokens - req.num_computed_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if not self.kv.allocate_slots(req, num_new):
+            if not self.kv.allocate_slots(req, num_new, cached):
                 break
+            if self.kv.enable_caching and req.num_computed_tokens == 0:
+                self.stats.prefix_cache_queries += req.num_tokens
+                self.stats.prefix_cache_hits += num_cached
+            req.num_computed_tokens += num_cached
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
@@ -194,6 +201,7 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += item.num_tokens
+            self.kv.cache_full_blocks(req)
             token = result.sampled.get(item.request_id)
             if token is None:
                 continue

@@ -39,6 +39,14 @@ class EngineCollector(Collector):
         yield self._counter("prompt_tokens", "Prompt tokens received.", s.prompt_tokens)
         yield self._counter("generation_tokens", "Tokens generated.", s.generation_tokens)
         yield self._counter("num_preemptions", "Preemptions by recompute.", s.num_preemptions)
+        yield self._counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            s.prefix_cache_queries,
+        )
+        yield self._counter(
+            "prefix_cache_hits", "Looked-up tokens found cached.", s.prefix_cache_hits
+        )
         yield self._counter("engine_steps", "Engine steps run.", s.num_steps)
         yield self._counter("engine_busy_seconds", "Wall time inside engine steps.", s.busy_seconds)
         yield self._counter(
