@@ -53,6 +53,11 @@ class SchedulerConfig:
     """Token budget of one step (prefill chunks + decode tokens)."""
     enable_chunked_prefill: bool = True
     """Split long prompts into chunks that share steps with decodes."""
+    scheduling_policy: str = "fcfs"
+    """fcfs (arrival order), priority (a request's priority, then arrival; more important
+    arrivals may preempt), or fair (per-tenant virtual token counting)."""
+    preemption_protect_after: int = 2
+    """Thrash guard: a request preempted this many times is preempted again only as a last resort."""
 
 
 @dataclass(frozen=True, slots=True)

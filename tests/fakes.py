@@ -51,11 +51,19 @@ def make_engine(
     max_model_len: int = 128,
     chunked: bool = True,
     prefix_caching: bool = True,
+    policy: str = "fcfs",
+    protect_after: int = 2,
 ) -> tuple[LLMEngine, FakeRunner]:
     config = EngineConfig(
         ModelConfig(),
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
-        SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked),
+        SchedulerConfig(
+            max_num_seqs,
+            max_num_batched_tokens,
+            chunked,
+            scheduling_policy=policy,
+            preemption_protect_after=protect_after,
+        ),
     )
     runner = FakeRunner(num_blocks)
     engine = LLMEngine(config, runner, FakeTokenizer(), max_model_len, 1000, clock=FakeClock())

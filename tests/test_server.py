@@ -265,3 +265,23 @@ def test_full_queue_gets_503_with_retry_after(tiny_models):
         assert r.json()["error"]["code"] == "server_busy"
         for t in threads:
             t.join(timeout=30)
+
+
+def test_priority_without_the_priority_policy_is_400(server):
+    body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, "priority": 3}
+    r = httpx.post(f"{server}/v1/completions", json=body, headers=AUTH)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"]
+
+
+def test_tenant_gauges_follow_the_user_field(server):
+    body = {**LONG, "stream": True, "user": "alice"}
+    gauge = f'pagellm:tenant_requests_running{{model_name="{MODEL_NAME}",tenant="alice"}}'
+    seen = 0.0
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=AUTH) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                seen = metrics(server).get(gauge, 0.0)
+                break
+    assert seen == 1.0

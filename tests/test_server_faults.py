@@ -103,3 +103,12 @@ def test_bad_config_file_is_a_clear_cli_error(tmp_path, capsys, yaml_text, messa
         main(["serve", "--config", str(cfg)])
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_priority_policy_server_serves_priorities(tiny_models):
+    extra = ("--scheduling-policy", "priority")
+    with running_server(tiny_models("llama"), *extra) as (_, base):
+        for prio in (-1, 0, 5):
+            body = {**LONG, "max_tokens": 3, "priority": prio}
+            r = httpx.post(f"{base}/v1/completions", json=body, headers=AUTH, timeout=30)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

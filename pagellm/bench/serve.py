@@ -82,6 +82,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--user", default=None, help="the 'user' field of every request (a tenant)")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--label", default=None, help="name of this run in the report")
     p.add_argument("--output-json", default=None, help="write the report JSON here")
@@ -180,6 +181,7 @@ async def run_requests(
     api_key: str | None = None,
     seed: int = 0,
     timeout: float = 600.0,
+    extra_body: dict[str, Any] | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Send every request on schedule; returns the results (in workload order) and duration."""
     import httpx
@@ -197,7 +199,7 @@ async def run_requests(
         async def one(req: BenchRequest, offset: float) -> RequestResult:
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             async with gate:
-                body = request_body(model, req, ignore_eos)
+                body = {**request_body(model, req, ignore_eos), **(extra_body or {})}
                 return await stream_request(
                     client, endpoint, body, headers, len(req.prompt_token_ids)
                 )
@@ -348,6 +350,7 @@ def run(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             seed=args.seed,
             timeout=args.request_timeout,
+            extra_body={"user": args.user} if args.user else None,
         )
     )
     client_cpu = time.process_time() - client_cpu

@@ -32,6 +32,7 @@ class _Add:
     prompt_ids: list[int]
     params: SamplingParams
     priority: int
+    tenant: str
 
 
 @dataclass(slots=True)
@@ -89,6 +90,7 @@ class AsyncLLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         priority: int = 0,
+        tenant: str = "default",
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes; raises RequestRejected at once for a
         request that can never run. Leaving the iteration early (a client went away, a
@@ -100,7 +102,7 @@ class AsyncLLMEngine:
         with self._streams_lock:
             self._streams[request_id] = stream
         self._queued[request_id] = len(ids)
-        self._inbox.put(_Add(request_id, text, ids, params, priority))
+        self._inbox.put(_Add(request_id, text, ids, params, priority, tenant))
         finished = False
         try:
             while True:
@@ -164,6 +166,7 @@ class AsyncLLMEngine:
                 item.params,
                 priority=item.priority,
                 prompt_text=item.prompt_text,
+                tenant=item.tenant,
             )
         except ValueError as exc:  # a duplicate id, say: that request fails, others run on
             self._deliver(item.request_id, exc)

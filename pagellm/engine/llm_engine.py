@@ -106,14 +106,17 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         prompt_text: str | None = None,
+        tenant: str = "default",
     ) -> None:
         """Queue a request; raises RequestRejected if it can never run.
 
-        ``prompt_text`` names the text of a prompt given as token ids (for the outputs).
+        ``prompt_text`` names the text of a prompt given as token ids (for the outputs);
+        ``tenant`` is whom it is for (fair scheduling).
         """
         params = params or SamplingParams()
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
+        self.check_priority(priority)
         text, ids = self.prepare_prompt(prompt)
         group = _Group(request_id, text if text is not None else prompt_text, ids)
         arrival = self.clock() if arrival_time is None else arrival_time
@@ -127,6 +130,7 @@ class LLMEngine:
                 arrival_time=arrival,
                 max_model_len=self.max_model_len,
                 priority=priority,
+                tenant=tenant,
                 seed=base_seed + i,
                 parent_id=None if i == 0 else group.seqs[0].request.request_id,
             )
@@ -139,6 +143,16 @@ class LLMEngine:
             self._seq_to_group[seq.request.request_id] = group
             self.scheduler.add_request(seq.request)
         self.scheduler.stats.prompt_tokens += len(ids)
+
+    def check_priority(self, priority: int) -> None:
+        """As vLLM: a non-zero priority is an error unless the policy uses it."""
+        policy = self.config.scheduler.scheduling_policy
+        if priority != 0 and policy != "priority":
+            raise RequestRejected(
+                f"priority {priority} given but the scheduling policy is {policy!r}: "
+                "start the engine with --scheduling-policy priority",
+                param="priority",
+            )
 
     def prepare_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """Tokenize and validate a prompt; raises RequestRejected. Reads only immutable state,

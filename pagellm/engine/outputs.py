@@ -112,6 +112,8 @@ class EngineStats:
     """Allocated-but-unfilled slots / allocated slots, at the step of peak KV usage."""
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    tenants: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Tenant -> (running, waiting) sequences."""
     prefix_cache_queries: int = 0
     """Tokens of admitted requests looked up in the prefix cache."""
     prefix_cache_hits: int = 0

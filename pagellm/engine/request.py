@@ -52,6 +52,8 @@ class Request:
     finish_time: float | None = None
     arrival_seq: int = 0
     """Order of arrival, for FCFS and for choosing preemption victims."""
+    tenant: str = "default"
+    """Who the request is for (the API's ``user``), for fair scheduling."""
     cache_extra_keys: tuple = ()
     """What else, besides the tokens, decides the KV (e.g. an adapter id): enters block hashes."""
 

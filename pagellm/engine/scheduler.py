@@ -1,29 +1,24 @@
 """Continuous batching: which requests compute which tokens in the next step.
 
 There are no prefill/decode phases. Every request has ``num_computed_tokens`` catching up to its
-tokens under one token budget per step: running requests first (in priority order), then waiting
-ones while the budget, ``max_num_seqs`` and free blocks allow. Long prompts are cut into chunks.
-When blocks run out, the least important running request (highest priority value, then latest
-arrival) is preempted by recompute: it frees its blocks and returns to the waiting queue, where its
-order key puts it ahead of everything that arrived after it.
-
-Both queues are kept sorted by ``(priority, arrival_seq)``, so the preemption victim is always
-``running[-1]`` and the next request to admit is ``waiting[0]``.
+tokens under one token budget per step: running requests first, then waiting ones while the
+budget, ``max_num_seqs`` and free blocks allow, both in the order of the scheduling policy
+(``engine/policy.py``: fcfs, priority or fair). Long prompts are cut into chunks. When blocks run
+out, the policy's victim (the least important running request, sparing ones preempted
+repeatedly) is preempted by recompute: it frees its blocks and returns to the waiting queue, where
+its rank puts it ahead of everything that arrived after it. Under the priority policy a more
+important arrival that does not fit preempts less important running requests.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable
 
 from pagellm.config import SchedulerConfig
-from pagellm.engine.kv_cache_manager import KVCacheManager
+from pagellm.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagellm.engine.outputs import EngineStats, RunnerOutput, ScheduledRequest, SchedulerOutput
+from pagellm.engine.policy import make_policy
 from pagellm.engine.request import FinishReason, Request, RequestStatus
-
-
-def _order(req: Request) -> tuple[int, int]:
-    return (req.priority, req.arrival_seq)
 
 
 class Scheduler:
@@ -39,6 +34,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.policy = make_policy(config.scheduling_policy, config.preemption_protect_after)
         self.stats = EngineStats()
         self._finished_ids: list[str] = []
         self._arrivals = 0
@@ -50,13 +46,19 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         req.arrival_seq = self._arrivals
         self._arrivals += 1
+        self.policy.on_waiting(req, self.requests.values())
         self.requests[req.request_id] = req
-        bisect.insort(self.waiting, req, key=_order)
+        self.waiting.append(req)
 
     def refresh_queue_stats(self) -> None:
         self.stats.num_running = len(self.running)
         self.stats.num_waiting = len(self.waiting)
         self.stats.kv_usage = self.kv.usage()
+        tenants: dict[str, list[int]] = {}
+        for queue, slot in ((self.running, 0), (self.waiting, 1)):
+            for req in queue:
+                tenants.setdefault(req.tenant, [0, 0])[slot] += 1
+        self.stats.tenants = {t: (r, w) for t, (r, w) in tenants.items()}
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -75,6 +77,7 @@ class Scheduler:
         req.finish_reason = reason
         self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
         req.finish_time = self.clock()
+        self.policy.on_finished(req, self.requests.values())
         self._finished_ids.append(request_id)
         self.refresh_queue_stats()
         return req
@@ -85,9 +88,13 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        self.waiting.sort(key=self.policy.rank)
+        self.running.sort(key=self.policy.rank)
+        for_arrivals = self._preempt_for_arrivals(budget)
         budget = self._schedule_running(budget, scheduled, preempted)
-        if not preempted:
+        if not preempted:  # blocks ran short for running requests: admit nobody new
             self._schedule_waiting(budget, scheduled)
+        preempted = for_arrivals + preempted
         finished, self._finished_ids = self._finished_ids, []
         self.stats.num_steps += 1
         return SchedulerOutput(scheduled, finished, preempted)
@@ -99,17 +106,19 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._make_room(req, num_new, preempted):
+            if not self._make_room(i, num_new, preempted):
                 continue  # req itself was preempted and left ``running``
             scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
             i += 1
         return budget
 
-    def _make_room(self, req: Request, num_new: int, preempted: list[str]) -> bool:
-        """Allocate slots for ``req``, preempting from the back of ``running`` as needed."""
+    def _make_room(self, index: int, num_new: int, preempted: list[str]) -> bool:
+        """Allocate slots for ``running[index]``, preempting the policy's victim among the
+        requests not scheduled yet this step (``running[index:]``) as needed."""
+        req = self.running[index]
         while not self.kv.allocate_slots(req, num_new):
-            victim = self.running[-1]
+            victim = self.policy.victim(self.running[index:])
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is req:
@@ -123,7 +132,27 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
-        bisect.insort(self.waiting, req, key=_order)
+        self.waiting.append(req)
+        self.waiting.sort(key=self.policy.rank)
+
+    def _preempt_for_arrivals(self, budget: int) -> list[str]:
+        """Preempt running requests the policy ranks below the first waiting request that does
+        not fit (priority policy only; protected requests are spared)."""
+        preempted: list[str] = []
+        while self.waiting and self.running:
+            arrival = self.waiting[0]
+            victim = self.policy.victim(self.running)
+            if not self.policy.may_preempt_for(arrival, victim) or self._fits(arrival, budget):
+                break
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+        return preempted
+
+    def _fits(self, req: Request, budget: int) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        first_chunk = min(req.num_tokens - req.num_computed_tokens, budget)
+        return cdiv(first_chunk, self.kv.block_size) <= self.kv.pool.num_free
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -147,7 +176,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self.clock()
-            bisect.insort(self.running, req, key=_order)
+            self.running.append(req)
             scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
 
@@ -201,6 +230,7 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += item.num_tokens
+            self.policy.charge(req, item.num_tokens)
             self.kv.cache_full_blocks(req)
             token = result.sampled.get(item.request_id)
             if token is None:

@@ -205,8 +205,9 @@ class _Context:
 
         return chunk
 
-    def _generate(self, rid: str, ids: list[int], params: SamplingParams, priority: int):
-        gen = self.front.generate(rid, ids, params, priority)
+    def _generate(self, rid: str, ids: list[int], params: SamplingParams, body):
+        tenant = body.user or "default"
+        gen = self.front.generate(rid, ids, params, body.priority, tenant)
         if self.latencies is not None:
             gen = self.latencies.observe(gen, time.monotonic)
         if self.settings.request_timeout is not None:
@@ -240,6 +241,7 @@ class _Context:
             max_tokens = limit - prompt_len
         if prompt_len + max_tokens > limit:
             raise ContextLengthExceeded(prompt_len, max_tokens, limit)
+        self.front.engine.check_priority(body.priority)
         return body.sampling_params(max_tokens, logprobs)
 
     # ----- /v1/completions --------------------------------------------------------------
@@ -256,7 +258,7 @@ class _Context:
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         gens = [
-            self._generate(f"{rid}-{i}", ids, p, body.priority)
+            self._generate(f"{rid}-{i}", ids, p, body)
             for i, ((_, ids), p) in enumerate(zip(prepared, params, strict=True))
         ]
         if body.stream:
@@ -322,7 +324,7 @@ class _Context:
         self._admit(len(ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        gen = self._generate(rid, ids, params, body.priority)
+        gen = self._generate(rid, ids, params, body)
         if body.stream:
             return _sse(self._chat_events(gen, rid, created, body))
         out = await _until_disconnect(raw, _last(gen))

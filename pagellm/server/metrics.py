@@ -54,6 +54,14 @@ class EngineCollector(Collector):
             "Wall time inside the model executor (inputs, forward, sampling).",
             s.execute_seconds,
         )
+        for name, slot, doc in (
+            ("tenant_requests_running", 0, "Running sequences per tenant (the API's user)."),
+            ("tenant_requests_waiting", 1, "Waiting sequences per tenant (the API's user)."),
+        ):
+            g = GaugeMetricFamily(f"pagellm:{name}", doc, labels=[*self.labels, "tenant"])
+            for tenant, counts in sorted(dict(s.tenants).items()):
+                g.add_metric([*self.labels.values(), tenant], counts[slot])
+            yield g
         done = CounterMetricFamily(
             "pagellm:request_success",
             "Finished sequences by finish reason.",
