@@ -39,6 +39,10 @@ class CacheConfig:
     """KV-cache budget in GiB (CPU); the number of blocks is derived from it."""
     num_gpu_blocks_override: int | None = None
     """Exact number of KV blocks, overriding the memory budget (tests, experiments)."""
+    swap_space: float = 4.0
+    """Host memory in GiB for KV blocks swapped out by --preemption-mode swap."""
+    num_host_blocks_override: int | None = None
+    """Exact number of host KV blocks for swapping (tests, experiments)."""
     enable_prefix_caching: bool = True
     """Reuse the KV of full blocks whose tokens (and all before them) were computed before."""
 
@@ -56,6 +60,9 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     """fcfs (arrival order), priority (a request's priority, then arrival; more important
     arrivals may preempt), or fair (per-tenant virtual token counting)."""
+    preemption_mode: str = "recompute"
+    """recompute (free the blocks, compute them again on resume) or swap (copy them to host
+    memory and back; falls back to recompute when the host pool is full)."""
     preemption_protect_after: int = 2
     """Thrash guard: a request preempted this many times is preempted again only as a last resort."""
 

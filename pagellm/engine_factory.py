@@ -22,6 +22,7 @@ def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
             f"max_model_len={max_len} exceeds the model's context length "
             f"({arch.max_position_embeddings})"
         )
-    runner = ModelRunner(files, dtype, config.cache)
+    swap = config.scheduler.preemption_mode == "swap"
+    runner = ModelRunner(files, dtype, config.cache, swap=swap)
     engine = LLMEngine(config, runner, tokenizer, max_len, arch.vocab_size)
     return engine, tokenizer

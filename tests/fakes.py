@@ -10,8 +10,9 @@ from pagellm.engine.outputs import RunnerOutput, SchedulerOutput
 class FakeRunner:
     """Samples ``(last token + 1) % vocab`` for every request that samples; records schedules."""
 
-    def __init__(self, num_blocks: int, vocab: int = 1000) -> None:
+    def __init__(self, num_blocks: int, vocab: int = 1000, num_host_blocks: int = 0) -> None:
         self.num_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks
         self.vocab = vocab
         self.steps: list[SchedulerOutput] = []
 
@@ -53,6 +54,8 @@ def make_engine(
     prefix_caching: bool = True,
     policy: str = "fcfs",
     protect_after: int = 2,
+    preemption_mode: str = "recompute",
+    num_host_blocks: int = 0,
 ) -> tuple[LLMEngine, FakeRunner]:
     config = EngineConfig(
         ModelConfig(),
@@ -63,9 +66,10 @@ def make_engine(
             chunked,
             scheduling_policy=policy,
             preemption_protect_after=protect_after,
+            preemption_mode=preemption_mode,
         ),
     )
-    runner = FakeRunner(num_blocks)
+    runner = FakeRunner(num_blocks, num_host_blocks=num_host_blocks)
     engine = LLMEngine(config, runner, FakeTokenizer(), max_model_len, 1000, clock=FakeClock())
     return engine, runner
 

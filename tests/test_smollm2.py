@@ -79,6 +79,20 @@ def test_prefix_caching_keeps_greedy_outputs(llm, hf):
         compare_greedy(out.outputs[0].token_ids, hf_greedy(hf, prompt, 12), f"cached {i}")
 
 
+def test_swap_preemption_keeps_greedy_outputs(references, hf):
+    """A cache too small for the batch: victims are swapped to host blocks and back."""
+    prompts, refs = references
+    small = LLM(
+        dtype="float32", max_model_len=128, num_gpu_blocks_override=10,
+        num_host_blocks_override=40, preemption_mode="swap",
+    )  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = small.generate(prompts, params, use_tqdm=False)
+    assert small.get_stats().num_preemptions_swap > 0
+    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+        compare_greedy(out.outputs[0].token_ids, ref, f"swap {i}")
+
+
 def test_chat_answers_and_stops(llm):
     out = llm.chat(
         [{"role": "user", "content": "What is the capital of France?"}],

@@ -23,11 +23,21 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = False,
+        num_host_blocks: int = 0,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
+        self.host_pool = BlockPool(num_host_blocks) if num_host_blocks > 0 else None
+        """Host blocks that swapped-out requests' KV is copied to."""
         self.block_tables: dict[str, list[int]] = {}
+        self.host_tables: dict[str, list[int]] = {}
+        """Swapped-out request id -> its host blocks, in block-table order."""
         self._num_cached: dict[str, int] = {}
         """Request id -> how many of its leading blocks are registered in the prefix cache."""
         self._hashes: dict[str, list[BlockHash]] = {}
@@ -131,6 +141,37 @@ class KVCacheManager:
         if table:
             # Release in reverse so a request's tail blocks are evicted first.
             self.pool.release(table[::-1])
+        host = self.host_tables.pop(request.request_id, None)
+        if host:
+            self.host_pool.release(host)
+
+    # ----- swapping ---------------------------------------------------------------------
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's KV to host blocks: returns the (device, host) copies to make, or
+        None (nothing changed) when there is no host pool or it lacks room."""
+        table = self.block_tables.get(request.request_id, [])
+        if self.host_pool is None or len(table) > self.host_pool.num_free:
+            return None
+        host = self.host_pool.allocate(len(table))
+        mapping = list(zip(table, host, strict=True))
+        self.free(request)  # device blocks go back (their cached content stays reusable)
+        self.host_tables[request.request_id] = host
+        return mapping
+
+    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether the request's blocks and room for ``num_new_tokens`` more fit the device."""
+        total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        host = self.host_tables.get(request.request_id, [])
+        return max(total, len(host)) <= self.pool.num_free
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Bring a swapped-out request's KV back: returns the (host, device) copies to make."""
+        host = self.host_tables.pop(request.request_id)
+        device = self.pool.allocate(len(host))
+        self.block_tables[request.request_id] = device
+        self.host_pool.release(host)  # the copy happens before any later allocation writes it
+        return list(zip(host, device, strict=True))
 
     def forget(self, request: Request) -> None:
         """Drop what is kept across preemption once the request is gone for good."""

@@ -88,8 +88,12 @@ class LLMEngine:
                 f"the KV cache holds {executor.num_blocks * block_size} tokens, fewer than "
                 f"max_model_len={max_model_len}: raise --kv-cache-memory or lower --max-model-len"
             )
+        swap = config.scheduler.preemption_mode == "swap"
         self.kv_manager = KVCacheManager(
-            executor.num_blocks, block_size, config.cache.enable_prefix_caching
+            executor.num_blocks,
+            block_size,
+            config.cache.enable_prefix_caching,
+            getattr(executor, "num_host_blocks", 0) if swap else 0,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, clock)
         self._groups: dict[str, _Group] = {}

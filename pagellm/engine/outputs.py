@@ -34,6 +34,10 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     """Requests that ended since the last step: the runner drops their per-request state."""
     preempted_request_ids: list[str] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    """(device block, host block) copies to make before this step's forward."""
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    """(host block, device block) copies to make after the swap-outs, before the forward."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -104,6 +108,9 @@ class EngineStats:
     execute_seconds: float = 0.0
     """Of that, wall time inside the executor (input preparation, forward, sampling)."""
     num_preemptions: int = 0
+    num_preemptions_swap: int = 0
+    """Of those, preemptions that swapped the request's blocks out (the rest recompute)."""
+    num_swapped: int = 0
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0

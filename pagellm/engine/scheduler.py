@@ -34,7 +34,15 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        """Preempted by swap: their KV is in host blocks; they resume before new admissions."""
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_in: list[tuple[int, int]] = []
         self.policy = make_policy(config.scheduling_policy, config.preemption_protect_after)
+        if config.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(
+                f"unknown preemption mode {config.preemption_mode!r}; choose recompute or swap"
+            )
         self.stats = EngineStats()
         self._finished_ids: list[str] = []
         self._arrivals = 0
@@ -53,22 +61,25 @@ class Scheduler:
     def refresh_queue_stats(self) -> None:
         self.stats.num_running = len(self.running)
         self.stats.num_waiting = len(self.waiting)
+        self.stats.num_swapped = len(self.swapped)
         self.stats.kv_usage = self.kv.usage()
         tenants: dict[str, list[int]] = {}
-        for queue, slot in ((self.running, 0), (self.waiting, 1)):
+        for queue, slot in ((self.running, 0), (self.waiting, 1), (self.swapped, 1)):
             for req in queue:
                 tenants.setdefault(req.tenant, [0, 0])[slot] += 1
         self.stats.tenants = {t: (r, w) for t, (r, w) in tenants.items()}
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
         """Finish (stop, length, abort) a request and free its blocks at once."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        queue = self.running if req.status == RequestStatus.RUNNING else self.waiting
+        queue = {RequestStatus.RUNNING: self.running, RequestStatus.SWAPPED: self.swapped}.get(
+            req.status, self.waiting
+        )
         if req in queue:
             queue.remove(req)
         self.kv.free(req)
@@ -93,11 +104,15 @@ class Scheduler:
         for_arrivals = self._preempt_for_arrivals(budget)
         budget = self._schedule_running(budget, scheduled, preempted)
         if not preempted:  # blocks ran short for running requests: admit nobody new
-            self._schedule_waiting(budget, scheduled)
+            budget = self._schedule_swapped(budget, scheduled)
+            if not self.swapped:  # swapped requests resume before new ones are admitted
+                self._schedule_waiting(budget, scheduled)
         preempted = for_arrivals + preempted
         finished, self._finished_ids = self._finished_ids, []
         self.stats.num_steps += 1
-        return SchedulerOutput(scheduled, finished, preempted)
+        swap_out, self._swap_out = self._swap_out, []
+        swap_in, self._swap_in = self._swap_in, []
+        return SchedulerOutput(scheduled, finished, preempted, swap_out, swap_in)
 
     def _schedule_running(
         self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]
@@ -126,14 +141,40 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
+        """Swap ``req`` out (swap mode, host room) or free it for recompute."""
         self.running.remove(req)
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        copies = self.kv.swap_out(req) if self.config.preemption_mode == "swap" else None
+        if copies is not None:
+            self._swap_out.extend(copies)
+            req.status = RequestStatus.SWAPPED
+            self.stats.num_preemptions_swap += 1
+            self.swapped.append(req)
+            self.swapped.sort(key=self.policy.rank)
+            return
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        req.num_preemptions += 1
-        self.stats.num_preemptions += 1
         self.waiting.append(req)
         self.waiting.sort(key=self.policy.rank)
+
+    def _schedule_swapped(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        """Swap requests back in, in rank order, while seats, blocks and budget allow."""
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.can_swap_in(req, num_new):
+                break
+            self.swapped.pop(0)
+            self._swap_in.extend(self.kv.swap_in(req))
+            allocated = self.kv.allocate_slots(req, num_new)
+            assert allocated, "can_swap_in checked the room"
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+        return budget
 
     def _preempt_for_arrivals(self, budget: int) -> list[str]:
         """Preempt running requests the policy ranks below the first waiting request that does

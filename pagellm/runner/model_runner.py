@@ -35,14 +35,25 @@ class StepInputs:
 def num_blocks_for(arch: ModelArch, cache: CacheConfig, dtype: torch.dtype) -> int:
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
-    per_block = cache_bytes_per_block(
+    return int(cache.kv_cache_memory * GIB) // _bytes_per_block(arch, cache, dtype)
+
+
+def num_host_blocks_for(arch: ModelArch, cache: CacheConfig, dtype: torch.dtype) -> int:
+    if cache.num_host_blocks_override is not None:
+        return cache.num_host_blocks_override
+    return int(cache.swap_space * GIB) // _bytes_per_block(arch, cache, dtype)
+
+
+def _bytes_per_block(arch: ModelArch, cache: CacheConfig, dtype: torch.dtype) -> int:
+    return cache_bytes_per_block(
         arch.num_layers, arch.num_kv_heads, arch.head_dim, cache.block_size, dtype
     )
-    return int(cache.kv_cache_memory * GIB) // per_block
 
 
 class ModelRunner:
-    def __init__(self, files: ModelFiles, dtype: torch.dtype, cache: CacheConfig) -> None:
+    def __init__(
+        self, files: ModelFiles, dtype: torch.dtype, cache: CacheConfig, swap: bool = False
+    ) -> None:
         arch = files.arch
         keep_heap_memory()
         self.arch = arch
@@ -59,10 +70,16 @@ class ModelRunner:
         self.model = load_model(files, dtype, self.backend)
         self.num_blocks = num_blocks_for(arch, cache, dtype)
         self.kv_caches = self.backend.allocate_cache(arch.num_layers, self.num_blocks)
+        self.num_host_blocks = num_host_blocks_for(arch, cache, dtype) if swap else 0
+        self.host_caches = self.backend.allocate_cache(arch.num_layers, self.num_host_blocks)
+        """Separate host tensors for swapped-out KV (pinned host memory once on a GPU)."""
         self.sampler = Sampler()
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.sampler.forget(sched.finished_request_ids)
+        # swap-outs read device blocks the forward (or a swap-in) may overwrite: copy them first
+        copy_blocks(self.kv_caches, self.host_caches, sched.swap_out)
+        copy_blocks(self.host_caches, self.kv_caches, sched.swap_in)
         if sched.is_empty:
             return RunnerOutput({})
         inputs = prepare_inputs(sched.scheduled, self.backend.is_row_wise)
@@ -83,6 +100,21 @@ class ModelRunner:
             if lp is not None
         }
         return RunnerOutput(sampled, logprobs)
+
+
+def copy_blocks(
+    src: list[tuple[torch.Tensor, ...]],
+    dst: list[tuple[torch.Tensor, ...]],
+    pairs: list[tuple[int, int]],
+) -> None:
+    """Copy KV blocks ``src_block -> dst_block`` in every layer (K and V)."""
+    if not pairs:
+        return
+    src_ids = torch.tensor([a for a, _ in pairs], dtype=torch.long)
+    dst_ids = torch.tensor([b for _, b in pairs], dtype=torch.long)
+    for src_layer, dst_layer in zip(src, dst, strict=True):
+        for s, d in zip(src_layer, dst_layer, strict=True):  # [kv_heads, blocks, block, dim]
+            d.index_copy_(1, dst_ids, s.index_select(1, src_ids))
 
 
 def prepare_inputs(

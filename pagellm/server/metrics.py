@@ -38,7 +38,19 @@ class EngineCollector(Collector):
         yield self._gauge("kv_cache_usage_perc", "Fraction of KV blocks in use.", s.kv_usage)
         yield self._counter("prompt_tokens", "Prompt tokens received.", s.prompt_tokens)
         yield self._counter("generation_tokens", "Tokens generated.", s.generation_tokens)
-        yield self._counter("num_preemptions", "Preemptions by recompute.", s.num_preemptions)
+        yield self._gauge(
+            "num_requests_swapped", "Sequences swapped out to host memory.", s.num_swapped
+        )
+        yield self._counter("num_preemptions", "Preemptions (all modes).", s.num_preemptions)
+        by_mode = CounterMetricFamily(
+            "pagellm:num_preemptions_by_mode",
+            "Preemptions by mode: swap or recompute.",
+            labels=[*self.labels, "mode"],
+        )
+        swap = s.num_preemptions_swap
+        by_mode.add_metric([*self.labels.values(), "swap"], swap)
+        by_mode.add_metric([*self.labels.values(), "recompute"], s.num_preemptions - swap)
+        yield by_mode
         yield self._counter(
             "prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
