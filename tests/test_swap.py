@@ -59,7 +59,7 @@ def test_full_host_pool_falls_back_to_recompute():
     assert done["new"].outputs[0].token_ids == list(range(12, 32))
 
 
-def test_swapped_requests_resume_before_new_admissions():
+def _until_one_is_swapped():
     engine, runner = make_engine(
         num_blocks=10, block_size=4, max_model_len=40, preemption_mode="swap", num_host_blocks=16
     )
@@ -67,6 +67,11 @@ def test_swapped_requests_resume_before_new_admissions():
     engine.add_request("new", [7, 8, 9, 10, 11], _greedy(20))
     while not engine.scheduler.swapped:
         engine.step()
+    return engine, runner
+
+
+def test_swapped_requests_resume_before_new_admissions():
+    engine, runner = _until_one_is_swapped()
     engine.add_request("later", [20, 21], _greedy(2))
     run_to_completion(engine)
     order = [s.request_id for st in runner.steps for s in st.scheduled]
@@ -78,13 +83,7 @@ def test_swapped_requests_resume_before_new_admissions():
 
 
 def test_abort_of_a_swapped_request_frees_its_host_blocks():
-    engine, _ = make_engine(
-        num_blocks=10, block_size=4, max_model_len=40, preemption_mode="swap", num_host_blocks=16
-    )
-    engine.add_request("old", [1, 2, 3, 4, 5], _greedy(20))
-    engine.add_request("new", [7, 8, 9, 10, 11], _greedy(20))
-    while not engine.scheduler.swapped:
-        engine.step()
+    engine, _ = _until_one_is_swapped()
     victim = engine.scheduler.swapped[0].request_id
     assert engine.kv_manager.host_pool.num_free < 16
     engine.abort(victim)

@@ -304,25 +304,9 @@ def resolve_model(base_url: str, api_key: str | None) -> str:
 def _load_requests(args: argparse.Namespace) -> list[BenchRequest]:
     if args.workload:
         return load_workload(args.workload)[: args.num_prompts]
-    from pagellm.bench.throughput import WorkloadSpec, build_workload_isolated
+    from pagellm.bench.throughput import build_workload_isolated, spec_from_args
 
-    path = args.dataset_path
-    if args.dataset == "sharegpt" and path is None:
-        from pagellm.fetch import fetch_sharegpt
-
-        path = str(fetch_sharegpt())
-    spec = WorkloadSpec(
-        dataset=args.dataset,
-        num_prompts=args.num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        seed=args.seed,
-        tokenizer_source=args.tokenizer,
-        dataset_path=path,
-        prefix_len=args.prefix_len,
-        num_prefixes=args.num_prefixes,
-        num_turns=args.num_turns,
-    )
+    spec = spec_from_args(args, args.tokenizer)
     return build_workload_isolated(spec)
 
 

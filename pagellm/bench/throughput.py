@@ -128,7 +128,8 @@ def build_workload_isolated(spec: WorkloadSpec) -> list[BenchRequest]:
     return [BenchRequest.from_json(o) for o in objs]
 
 
-def _spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
+def spec_from_args(args: argparse.Namespace, tokenizer_source: str | None) -> WorkloadSpec:
+    """The workload the dataset flags describe (fetching ShareGPT when no path is given)."""
     path = args.dataset_path
     if args.dataset == "sharegpt" and path is None:
         from pagellm.fetch import fetch_sharegpt
@@ -140,7 +141,7 @@ def _spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
         input_len=args.input_len,
         output_len=args.output_len,
         seed=args.seed,
-        tokenizer_source=args.tokenizer or args.model,
+        tokenizer_source=tokenizer_source,
         dataset_path=path,
         prefix_len=args.prefix_len,
         num_prefixes=args.num_prefixes,
@@ -235,7 +236,7 @@ def _load_requests(args: argparse.Namespace) -> list[BenchRequest]:
     if args.workload:
         requests = load_workload(args.workload)
     else:
-        requests = build_workload_isolated(_spec_from_args(args))
+        requests = build_workload_isolated(spec_from_args(args, args.tokenizer or args.model))
     if not requests:
         raise SystemExit("pagellm bench throughput: the workload is empty")
     if args.save_workload:
