@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import sys
 import types
 import typing
@@ -164,6 +165,34 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagellm.gateway.app import Gateway, GatewaySettings, build_gateway_app
+
+    if not args.backend:
+        raise SystemExit("pagellm gateway: give at least one --backend URL")
+    settings = GatewaySettings(
+        backends=tuple(args.backend),
+        routing=args.routing,
+        max_attempts=args.max_attempts,
+        health_interval=args.health_interval,
+        breaker_failures=args.breaker_failures,
+        breaker_reset=args.breaker_reset,
+        backend_api_key=args.backend_api_key,
+    )
+    app = build_gateway_app(Gateway(settings))
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    _draining_server_class()(config).run()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagellm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -208,6 +237,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_config_arg(serve)
     serve.set_defaults(func=_cmd_serve)
+
+    gw = sub.add_parser("gateway", help="one door in front of OpenAI-compatible replicas")
+    gw.add_argument("--host", default="127.0.0.1")
+    gw.add_argument("--port", type=int, default=8080)
+    gw.add_argument("--backend", action="append", default=[], help="replica base URL (repeat)")
+    from pagellm.gateway.routing import ROUTING_POLICIES
+
+    gw.add_argument("--routing", choices=ROUTING_POLICIES, default="least-load")
+    gw.add_argument("--max-attempts", type=int, default=2, help="replicas tried per request")
+    gw.add_argument("--health-interval", type=float, default=2.0, help="seconds between checks")
+    gw.add_argument("--breaker-failures", type=int, default=3, help="failures that open it")
+    gw.add_argument("--breaker-reset", type=float, default=5.0, help="seconds before a probe")
+    gw.add_argument(
+        "--backend-api-key",
+        default=os.environ.get("PAGELLM_BACKEND_API_KEY"),
+        help="key the replicas require (default $PAGELLM_BACKEND_API_KEY)",
+    )
+    gw.add_argument("--log-level", default="info")
+    gw.add_argument("--shutdown-timeout", type=float, default=30.0)
+    gw.set_defaults(func=_cmd_gateway)
 
     bench = sub.add_parser("bench", help="benchmarks that write JSON and print a table")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

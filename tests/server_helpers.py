@@ -15,7 +15,7 @@ MODEL_NAME = "tiny-llama"
 API_KEY = "test-key"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -50,7 +50,7 @@ def running_server(
     model_dir, *extra: str, launcher: tuple[str, ...] | None = None
 ) -> Iterator[tuple[subprocess.Popen, str]]:
     """A healthy server process on a free loopback port; always stopped afterwards."""
-    port = _free_port()
+    port = free_port()
     proc = _start(model_dir, port, *extra, launcher=launcher)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -1,0 +1,1 @@
+"""The gateway: one door in front of many OpenAI-compatible replicas."""

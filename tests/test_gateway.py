@@ -1,0 +1,134 @@
+"""`pagellm gateway` in front of two real `pagellm serve` replicas (tiny model, loopback): proxying
+with the official client, round-robin routing, cancellation reaching the replica, failover when
+a replica dies, and 503 cluster_unavailable when none is left."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from server_helpers import API_KEY, AUTH, MODEL_NAME, free_port, metrics, running_server
+
+
+@contextlib.contextmanager
+def running_gateway(*backends: str, routing: str = "round-robin"):
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagellm.cli", "gateway", "--port", str(port)]
+    for b in backends:
+        cmd += ["--backend", b]
+    cmd += ["--routing", routing, "--backend-api-key", API_KEY, "--health-interval", "0.3", "--breaker-failures", "1",
+            "--breaker-reset", "1", "--log-level", "warning"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("gateway not healthy in 60 s")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_models):
+    model = tiny_models("llama")
+    with running_server(model) as (p1, b1), running_server(model) as (p2, b2):
+        yield [(p1, b1), (p2, b2)]
+
+
+def _successes(base: str) -> float:
+    return sum(v for k, v in metrics(base).items() if k.startswith("pagellm:request_success"))
+
+
+def test_proxy_round_robin_and_streaming(replicas):
+    (_, b1), (_, b2) = replicas
+    with running_gateway(b1, b2) as gw:
+        client = openai.OpenAI(base_url=f"{gw}/v1", api_key=API_KEY, max_retries=0)
+        assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+        before = [_successes(b1), _successes(b2)]
+        for _ in range(4):
+            out = client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=3)
+            assert out.usage.completion_tokens >= 1
+        after = [_successes(b1), _successes(b2)]
+        assert [a - b for a, b in zip(after, before, strict=True)] == [2, 2]  # alternated
+        kw = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "hey"}], max_tokens=6,
+                  temperature=0)  # fmt: skip
+        whole = client.chat.completions.create(**kw)
+        with httpx.stream(
+            "POST", f"{gw}/v1/chat/completions", json={**kw, "stream": True}, headers=AUTH
+        ) as r:
+            assert r.headers["cache-control"] == "no-cache"
+            assert r.headers["x-accel-buffering"] == "no"
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data:")]
+        assert lines[-1] == "data: [DONE]"
+        streamed = client.chat.completions.create(**kw, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        assert text == whole.choices[0].message.content
+        bad = httpx.post(
+            f"{gw}/v1/completions", json={"model": "nope", "prompt": "x"}, headers=AUTH
+        )
+        assert bad.status_code == 404
+        assert httpx.post(f"{gw}/v1/completions", content=b"{", headers=AUTH).status_code == 400
+
+
+def test_disconnect_through_the_gateway_frees_the_replica(replicas):
+    (_, b1), _ = replicas
+    with running_gateway(b1) as gw:
+        body = {"model": MODEL_NAME, "prompt": "go", "max_tokens": 400, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        with httpx.stream("POST", f"{gw}/v1/completions", json=body, headers=AUTH) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data:")
+                if seen >= 3:
+                    break
+        running = f'pagellm:num_requests_running{{model_name="{MODEL_NAME}"}}'
+        kv = f'pagellm:kv_cache_usage_perc{{model_name="{MODEL_NAME}"}}'
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and (metrics(b1)[running] or metrics(b1)[kv]):
+            time.sleep(0.05)
+        assert metrics(b1)[running] == 0 and metrics(b1)[kv] == 0
+
+
+def test_failover_then_cluster_unavailable(tiny_models):
+    model = tiny_models("llama")
+    with (
+        running_server(model) as (p1, b1),
+        running_server(model) as (p2, b2),
+        running_gateway(b1, b2) as gw,
+    ):
+        p2.terminate()
+        p2.wait(timeout=20)
+        for _ in range(4):  # every request completes: the dead replica is skipped or retried
+            r = httpx.post(
+                f"{gw}/v1/completions",
+                json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2},
+                headers=AUTH,
+                timeout=30,
+            )
+            assert r.status_code == 200
+        text = httpx.get(f"{gw}/metrics").text
+        assert f'pagellm_gateway:breaker_state{{replica="{b2}"}} 2.0' in text
+        p1.terminate()
+        p1.wait(timeout=20)
+        r = httpx.post(
+            f"{gw}/v1/completions", json={"model": MODEL_NAME, "prompt": "x"}, headers=AUTH
+        )
+        assert r.status_code == 503
+        assert r.json()["error"]["type"] == "cluster_unavailable"
+        assert r.headers["retry-after"]
