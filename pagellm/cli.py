@@ -130,7 +130,6 @@ def _draining_server_class() -> type:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
 
     from pagellm.engine.async_engine import AsyncLLMEngine
     from pagellm.engine_factory import build_engine
@@ -151,23 +150,27 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     front = AsyncLLMEngine(engine)
     front.start()
     try:
-        app = build_app(front, tokenizer, settings)
-        config = uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=args.shutdown_timeout,
-        )
-        _draining_server_class()(config).run()
+        _serve_until_drained(build_app(front, tokenizer, settings), args)
     finally:
         front.shutdown()
     return 0
 
 
-def _cmd_gateway(args: argparse.Namespace) -> int:
+def _serve_until_drained(app: Any, args: argparse.Namespace) -> None:
+    """Run ``app`` on uvicorn until SIGTERM/SIGINT, draining in-flight requests."""
     import uvicorn
 
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    _draining_server_class()(config).run()
+
+
+def _cmd_gateway(args: argparse.Namespace) -> int:
     from pagellm.gateway.app import Gateway, GatewaySettings, build_gateway_app
 
     if not args.backend:
@@ -181,15 +184,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         breaker_reset=args.breaker_reset,
         backend_api_key=args.backend_api_key,
     )
-    app = build_gateway_app(Gateway(settings))
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,
-    )
-    _draining_server_class()(config).run()
+    _serve_until_drained(build_gateway_app(Gateway(settings)), args)
     return 0
 
 
