@@ -173,10 +173,23 @@ def _serve_until_drained(app: Any, args: argparse.Namespace) -> None:
 def _cmd_gateway(args: argparse.Namespace) -> int:
     from pagellm.gateway.app import Gateway, GatewaySettings, build_gateway_app
 
-    if not args.backend:
+    file: dict[str, Any] = {}
+    if args.config:
+        import yaml
+
+        with open(args.config, encoding="utf-8") as f:
+            file = yaml.safe_load(f) or {}
+        unknown = set(file) - {"backends", "keys"}
+        if unknown:
+            raise SystemExit(
+                f"pagellm gateway: unknown settings in {args.config}: {sorted(unknown)}"
+            )
+    backends = [*file.get("backends", []), *args.backend]
+    if not backends:
         raise SystemExit("pagellm gateway: give at least one --backend URL")
     settings = GatewaySettings(
-        backends=tuple(args.backend),
+        backends=tuple(backends),
+        keys=tuple(file.get("keys", [])),
         routing=args.routing,
         max_attempts=args.max_attempts,
         health_interval=args.health_interval,
@@ -249,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("PAGELLM_BACKEND_API_KEY"),
         help="key the replicas require (default $PAGELLM_BACKEND_API_KEY)",
     )
+    gw.add_argument(
+        "--config",
+        default=None,
+        help="YAML with 'backends' (URLs) and 'keys' (name, key_sha256, models, "
+        "requests_per_minute, tokens_per_minute, max_concurrent, priority, tenant)",
+    )
     gw.add_argument("--log-level", default="info")
     gw.add_argument("--shutdown-timeout", type=float, default=30.0)
     gw.set_defaults(func=_cmd_gateway)
@@ -266,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "config", None):
+    if getattr(args, "config", None) and hasattr(args, "subparser"):  # the gateway reads its own
         args.subparser.set_defaults(**config_defaults(args.subparser, args.config))
         args = parser.parse_args(argv)  # flags given on the command line win over the file
     return int(args.func(args) or 0)

@@ -16,13 +16,13 @@ from server_helpers import API_KEY, AUTH, MODEL_NAME, free_port, metrics, runnin
 
 
 @contextlib.contextmanager
-def running_gateway(*backends: str, routing: str = "round-robin"):
+def running_gateway(*backends: str, routing: str = "round-robin", extra: tuple[str, ...] = ()):
     port = free_port()
     cmd = [sys.executable, "-m", "pagellm.cli", "gateway", "--port", str(port)]
     for b in backends:
         cmd += ["--backend", b]
     cmd += ["--routing", routing, "--backend-api-key", API_KEY, "--health-interval", "0.3", "--breaker-failures", "1",
-            "--breaker-reset", "1", "--log-level", "warning"]  # fmt: skip
+            "--breaker-reset", "1", "--log-level", "warning", *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -49,6 +49,10 @@ def replicas(tiny_models):
     model = tiny_models("llama")
     with running_server(model) as (p1, b1), running_server(model) as (p2, b2):
         yield [(p1, b1), (p2, b2)]
+
+
+def _aborted(base: str) -> float:
+    return sum(v for k, v in metrics(base).items() if 'finished_reason="abort"' in k)
 
 
 def _successes(base: str) -> float:
@@ -88,8 +92,9 @@ def test_proxy_round_robin_and_streaming(replicas):
 
 def test_disconnect_through_the_gateway_frees_the_replica(replicas):
     (_, b1), _ = replicas
+    aborted = _aborted(b1)
     with running_gateway(b1) as gw:
-        body = {"model": MODEL_NAME, "prompt": "go", "max_tokens": 400, "ignore_eos": True,
+        body = {"model": MODEL_NAME, "prompt": "go", "max_tokens": 480, "ignore_eos": True,
                 "stream": True}  # fmt: skip
         with httpx.stream("POST", f"{gw}/v1/completions", json=body, headers=AUTH) as r:
             seen = 0
@@ -100,9 +105,12 @@ def test_disconnect_through_the_gateway_frees_the_replica(replicas):
         running = f'pagellm:num_requests_running{{model_name="{MODEL_NAME}"}}'
         kv = f'pagellm:kv_cache_usage_perc{{model_name="{MODEL_NAME}"}}'
         deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline and (metrics(b1)[running] or metrics(b1)[kv]):
+        while time.monotonic() < deadline and (
+            metrics(b1)[running] or metrics(b1)[kv] or _aborted(b1) == aborted
+        ):
             time.sleep(0.05)
         assert metrics(b1)[running] == 0 and metrics(b1)[kv] == 0
+        assert _aborted(b1) == aborted + 1  # the replica aborted it: it did not just finish
 
 
 def test_failover_then_cluster_unavailable(tiny_models):
@@ -132,3 +140,36 @@ def test_failover_then_cluster_unavailable(tiny_models):
         assert r.status_code == 503
         assert r.json()["error"]["type"] == "cluster_unavailable"
         assert r.headers["retry-after"]
+
+
+def test_gateway_keys_and_limits(replicas, tmp_path):
+    from pagellm.gateway.limits import hash_key
+
+    (_, b1), _ = replicas
+    cfg = tmp_path / "gateway.yaml"
+    cfg.write_text(
+        f"""
+keys:
+  - name: team-a
+    key_sha256: {hash_key("key-a")}
+    models: [{MODEL_NAME}]
+    requests_per_minute: 3
+    tenant: team-a
+  - name: team-b
+    key_sha256: {hash_key("key-b")}
+    models: [some-other-model]
+"""
+    )
+    with running_gateway(b1, extra=("--config", str(cfg))) as gw:
+        url = f"{gw}/v1/completions"
+        body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2}
+        assert httpx.post(url, json=body).status_code == 401
+        assert httpx.post(url, json=body, headers={"Authorization": "Bearer no"}).status_code == 401
+        b = httpx.post(url, json=body, headers={"Authorization": "Bearer key-b"})
+        assert b.status_code == 404
+        a = {"Authorization": "Bearer key-a"}
+        for _ in range(3):  # 3 a minute
+            r = httpx.post(url, json=body, headers=a, timeout=30)
+            assert r.status_code == 200, r.text
+        over = httpx.post(url, json=body, headers=a)
+        assert over.status_code == 429 and int(over.headers["retry-after"]) >= 1

@@ -82,3 +82,74 @@ def test_prefix_affinity_is_sticky_and_yields_to_load():
 def test_unknown_routing_policy():
     with pytest.raises(ValueError, match="unknown routing policy"):
         Router("random-walk")
+
+
+# ----- keys and limits ------------------------------------------------------------------------
+
+from pagellm.gateway.limits import KeyRing, TokenBucket, hash_key  # noqa: E402
+
+
+def test_token_bucket_refills_per_minute_and_says_how_long_to_wait():
+    clock = Clock()
+    bucket = TokenBucket(60, clock)  # 1 token per second
+    assert bucket.take(60) == 0.0
+    assert bucket.take(3) == pytest.approx(3.0)  # nothing taken
+    clock.now = 2.0
+    assert bucket.take(2) == 0.0
+    assert bucket.take(61) == float("inf")  # can never fit
+    bucket.give_back(100)
+    assert bucket.level == 60
+
+
+def _ring(clock, **limits):
+    entry = {"name": "a", "key_sha256": hash_key("secret-a"), "models": ["m"], **limits}
+    return KeyRing([entry, {"name": "b", "key_sha256": hash_key("secret-b")}], clock)
+
+
+def test_keys_are_identified_by_hash():
+    ring = _ring(Clock())
+    assert ring.identify("Bearer secret-a").name == "a"
+    assert ring.identify("Bearer secret-b").name == "b"
+    assert ring.identify("Bearer nope") is None and ring.identify(None) is None
+    assert ring.identify("secret-a") is None  # not a bearer token
+    assert all(len(k.key_sha256) == 64 for k in ring.keys)  # only hashes are kept
+
+
+def test_model_concurrency_and_request_limits():
+    clock = Clock()
+    ring = _ring(clock, max_concurrent=2, requests_per_minute=3)
+    key = ring.identify("Bearer secret-a")
+    assert ring.admit(key, "other", 1).status == 404
+    assert ring.admit(key, "m", 1) is None and ring.admit(key, "m", 1) is None
+    denied = ring.admit(key, "m", 1)
+    assert denied.status == 429 and "concurrent" in denied.message
+    ring.settle(key, 1, 1)
+    assert ring.admit(key, "m", 1) is None  # third request of the minute
+    ring.settle(key, 1, 1)
+    denied = ring.admit(key, "m", 1)
+    assert denied.status == 429 and denied.retry_after == pytest.approx(20.0)  # 3/min refill
+    clock.now = 20.0
+    assert ring.admit(key, "m", 1) is None
+
+
+def test_token_limit_charges_then_refunds_unused_tokens():
+    clock = Clock()
+    ring = _ring(clock, tokens_per_minute=100)
+    key = ring.identify("Bearer secret-a")
+    assert ring.admit(key, "m", 80) is None
+    assert ring.admit(key, "m", 30).status == 429  # 20 left
+    ring.settle(key, 80, 30)  # it used 30: 50 come back
+    assert ring.admit(key, "m", 60) is None
+    assert ring.admit(key, "m", 101).retry_after is None  # larger than the bucket: never
+
+
+def test_forwarded_body_carries_the_keys_priority_and_tenant():
+    from pagellm.gateway.app import _with_policy, estimate_tokens
+
+    ring = _ring(Clock(), priority=3, tenant="team-a")
+    key = ring.identify("Bearer secret-a")
+    body = {"model": "m", "prompt": "x" * 40, "max_tokens": 10, "user": "someone"}
+    out = _with_policy(body, key)
+    assert out["priority"] == 3 and out["user"] == "team-a" and body["user"] == "someone"
+    assert estimate_tokens(body) == 11 + 10  # ceil(42 characters with quotes / 4) + max_tokens
+    assert estimate_tokens({"messages": [], "n": 2}) == 1 + 2 * 256

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from prometheus_client import (
 )
 
 from pagellm.gateway.breaker import BreakerState, CircuitBreaker
+from pagellm.gateway.limits import KeyPolicy, KeyRing
 from pagellm.gateway.routing import Replica, Router
 from pagellm.server.errors import error_body
 
@@ -45,6 +47,9 @@ class GatewaySettings:
     breaker_failures: int = 3
     breaker_reset: float = 5.0
     upstream_timeout: float = 600.0
+    keys: tuple[dict[str, Any], ...] = ()
+    """API keys (name, key_sha256, models, requests_per_minute, tokens_per_minute,
+    max_concurrent, priority, tenant); none means no auth at the gateway."""
     backend_api_key: str | None = None
     """Sent to the replicas (health checks, model lists, and proxied requests in place of the
     client's Authorization); without it the client's header is passed through."""
@@ -103,6 +108,7 @@ class Gateway:
             trust_env=False,
         )
         self.metrics = GatewayMetrics()
+        self.keys = KeyRing(list(settings.keys), clock)
         key = settings.backend_api_key
         self.backend_headers = {"authorization": f"Bearer {key}"} if key else {}
 
@@ -156,7 +162,31 @@ class Gateway:
         model = body.get("model")
         key = json.dumps(body.get("messages") or body.get("prompt") or "")
         headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARDED}
+        policy = None
+        if self.keys.enabled:
+            policy = self.keys.identify(raw.headers.get("authorization"))
+            if policy is None:
+                return _error(401, "missing or wrong API key", kind="authentication_error")
+            charge = estimate_tokens(body)
+            denied = self.keys.admit(policy, model, charge)
+            if denied is not None:
+                wait = denied.retry_after
+                retry = None
+                if wait is not None and math.isfinite(wait):
+                    retry = {"Retry-After": str(max(1, math.ceil(wait)))}
+                return _error(denied.status, denied.message, code=denied.code, headers=retry)
+            content = json.dumps(_with_policy(body, policy)).encode()
+            headers.pop("authorization", None)  # the client's key is the gateway's, not theirs
+            settle = _Settlement(self.keys, policy, charge)
+        else:
+            settle = _Settlement(None, None, 0)
         headers.update(self.backend_headers)
+        try:
+            return await self._route(path, raw, body, content, headers, model, key, settle)
+        finally:
+            settle.unless_handed_over()
+
+    async def _route(self, path, raw, body, content, headers, model, key, settle) -> Response:
         tried: set[int] = set()
         for attempt in range(self.settings.max_attempts):
             if attempt:
@@ -169,12 +199,15 @@ class Gateway:
                 continue
             self.metrics.requests.labels(model or "", replica.url, str(resp.status_code)).inc()
             if body.get("stream") and resp.status_code == 200:
+                settle.hand_over()  # the stream settles when it ends
                 return StreamingResponse(
-                    self._relay(resp, replica),
+                    self._relay(resp, replica, settle),
                     media_type="text/event-stream",
                     headers=STREAM_HEADERS,
                 )
-            return await self._whole(resp, replica, raw)
+            answer = await self._whole(resp, replica, raw)
+            settle.used = _usage_tokens(answer)
+            return answer
         if model is not None and not any(r.serves(model) for r in self.replicas):
             return _error(404, f"the model {model!r} does not exist", code="model_not_found")
         return _error(
@@ -222,7 +255,9 @@ class Gateway:
         replica.breaker.record_failure()
         self.metrics.breaker.labels(replica.url).set(_BREAKER_VALUE[replica.breaker.state])
 
-    async def _relay(self, resp: httpx.Response, replica: Replica) -> AsyncIterator[bytes]:
+    async def _relay(
+        self, resp: httpx.Response, replica: Replica, settle: _Settlement
+    ) -> AsyncIterator[bytes]:
         """Pass the replica's SSE bytes through as they come. Leaving early (the client went
         away) closes the upstream response, which makes the replica abort the request."""
         try:
@@ -237,6 +272,7 @@ class Gateway:
         finally:
             await resp.aclose()
             replica.outstanding -= 1
+            settle.now()
 
     async def _whole(self, resp: httpx.Response, replica: Replica, raw: Request) -> Response:
         """Read a non-streamed answer; a client that leaves meanwhile closes the upstream."""
@@ -264,6 +300,56 @@ class Gateway:
         names = sorted({m for r in self.replicas for m in r.models})
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "pagellm"} for n in names]
         return {"object": "list", "data": data}
+
+
+class _Settlement:
+    """Settles a key's in-flight count and token charge exactly once per admitted request."""
+
+    def __init__(self, keys: KeyRing | None, policy: KeyPolicy | None, charged: int) -> None:
+        self.keys, self.policy, self.charged = keys, policy, charged
+        self.used: int | None = 0
+        """Tokens really used (None: unknown, keep the charge); 0 until a replica answers."""
+        self.handed_over = False
+        self.done = False
+
+    def hand_over(self) -> None:
+        self.handed_over = True
+        self.used = None  # a stream's usage is not parsed: the estimate stands
+
+    def unless_handed_over(self) -> None:
+        if not self.handed_over:
+            self.now()
+
+    def now(self) -> None:
+        if self.done or self.keys is None:
+            return
+        self.done = True
+        self.keys.settle(self.policy, self.charged, self.used)
+
+
+def estimate_tokens(body: dict[str, Any]) -> int:
+    """What a request may cost before it runs: ~4 characters per prompt token plus the most
+    it may generate (refunded to the real usage when a whole answer comes back)."""
+    prompt = json.dumps(body.get("messages") or body.get("prompt") or "")
+    most = body.get("max_completion_tokens") or body.get("max_tokens") or 256
+    return math.ceil(len(prompt) / 4) + int(most) * max(1, int(body.get("n") or 1))
+
+
+def _with_policy(body: dict[str, Any], policy: KeyPolicy) -> dict[str, Any]:
+    out = dict(body)
+    if policy.priority is not None:
+        out["priority"] = policy.priority
+    if policy.tenant:
+        out["user"] = policy.tenant
+    return out
+
+
+def _usage_tokens(answer: Response) -> int | None:
+    try:
+        usage = json.loads(answer.body)["usage"]
+        return int(usage["prompt_tokens"]) + int(usage["completion_tokens"])
+    except (ValueError, KeyError, TypeError):
+        return None if answer.status_code == 200 else 0
 
 
 def _error(
