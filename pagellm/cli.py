@@ -197,7 +197,10 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         breaker_reset=args.breaker_reset,
         backend_api_key=args.backend_api_key,
     )
-    _serve_until_drained(build_gateway_app(Gateway(settings)), args)
+    from pagellm.gateway.precheck import load_tokenizers
+
+    tokenizers = load_tokenizers(args.tokenizer)
+    _serve_until_drained(build_gateway_app(Gateway(settings, tokenizers=tokenizers)), args)
     return 0
 
 
@@ -261,6 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend-api-key",
         default=os.environ.get("PAGELLM_BACKEND_API_KEY"),
         help="key the replicas require (default $PAGELLM_BACKEND_API_KEY)",
+    )
+    gw.add_argument(
+        "--tokenizer",
+        action="append",
+        default=[],
+        metavar="MODEL=PATH",
+        help="tokenizer of a served model for the prompt-length pre-check (repeat)",
     )
     gw.add_argument(
         "--config",

@@ -173,3 +173,31 @@ keys:
             assert r.status_code == 200, r.text
         over = httpx.post(url, json=body, headers=a)
         assert over.status_code == 429 and int(over.headers["retry-after"]) >= 1
+
+
+def test_prompt_length_precheck_never_reaches_a_replica(replicas, tiny_models):
+    (_, b1), _ = replicas
+    tok = f"{MODEL_NAME}={tiny_models('llama')}"
+    prompt_tokens = f'pagellm:prompt_tokens_total{{model_name="{MODEL_NAME}"}}'
+    with running_gateway(b1, extra=("--tokenizer", tok)) as gw:
+        before = metrics(b1)[prompt_tokens]
+        for body in (
+            {"model": MODEL_NAME, "prompt": "word " * 600, "max_tokens": 10},
+            {"model": MODEL_NAME, "prompt": ["ok", "word " * 600], "max_tokens": 10},
+            {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi " * 300}],
+             "max_tokens": 300},
+        ):  # fmt: skip
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            r = httpx.post(f"{gw}{path}", json=body, headers=AUTH)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["code"] == "context_length_exceeded" and "512" in err["message"]
+        assert metrics(b1)[prompt_tokens] == before  # no replica saw them
+        ok = httpx.post(
+            f"{gw}/v1/completions",
+            json={"model": MODEL_NAME, "prompt": "word " * 20, "max_tokens": 4},
+            headers=AUTH,
+            timeout=30,
+        )
+        assert ok.status_code == 200
+        assert metrics(b1)[prompt_tokens] > before

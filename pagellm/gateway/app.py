@@ -27,8 +27,10 @@ from prometheus_client import (
     generate_latest,
 )
 
+from pagellm.engine.errors import ContextLengthExceeded
 from pagellm.gateway.breaker import BreakerState, CircuitBreaker
 from pagellm.gateway.limits import KeyPolicy, KeyRing
+from pagellm.gateway.precheck import check_fits
 from pagellm.gateway.routing import Replica, Router
 from pagellm.server.errors import error_body
 
@@ -89,6 +91,7 @@ class Gateway:
         settings: GatewaySettings,
         clock: Callable[[], float] = time.monotonic,
         transport: httpx.AsyncBaseTransport | None = None,
+        tokenizers: dict[str, Any] | None = None,
     ) -> None:
         self.settings = settings
         self.clock = clock
@@ -109,6 +112,10 @@ class Gateway:
         )
         self.metrics = GatewayMetrics()
         self.keys = KeyRing(list(settings.keys), clock)
+        self.tokenizers = tokenizers or {}
+        """Served model -> its tokenizer, for the prompt-length pre-check."""
+        self.max_model_len: dict[str, int] = {}
+        """Served model -> the smallest context length its replicas report."""
         key = settings.backend_api_key
         self.backend_headers = {"authorization": f"Bearer {key}"} if key else {}
 
@@ -126,7 +133,12 @@ class Gateway:
                     f"{replica.url}/v1/models", timeout=5.0, headers=headers
                 )
                 models.raise_for_status()
-                replica.models = {m["id"] for m in models.json().get("data", [])}
+                cards = models.json().get("data", [])
+                replica.models = {m["id"] for m in cards}
+                for card in cards:
+                    if isinstance(card.get("max_model_len"), int):
+                        known = self.max_model_len.get(card["id"], card["max_model_len"])
+                        self.max_model_len[card["id"]] = min(known, card["max_model_len"])
         except (httpx.HTTPError, ValueError, KeyError):
             replica.breaker.record_failure()
         else:
@@ -162,6 +174,14 @@ class Gateway:
         model = body.get("model")
         key = json.dumps(body.get("messages") or body.get("prompt") or "")
         headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARDED}
+        tokenizer, limit = self.tokenizers.get(model), self.max_model_len.get(model)
+        if tokenizer is not None and limit is not None:
+            try:
+                check_fits(tokenizer, body, limit)
+            except ContextLengthExceeded as exc:
+                return _error(400, str(exc), code=exc.code)
+            except (ValueError, TypeError, AttributeError) as exc:
+                return _error(400, f"cannot read the prompt: {exc}")
         policy = None
         if self.keys.enabled:
             policy = self.keys.identify(raw.headers.get("authorization"))
