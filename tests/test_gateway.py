@@ -201,3 +201,32 @@ def test_prompt_length_precheck_never_reaches_a_replica(replicas, tiny_models):
         )
         assert ok.status_code == 200
         assert metrics(b1)[prompt_tokens] > before
+
+
+def _hits(base: str) -> float:
+    return metrics(base)[f'pagellm:prefix_cache_hits_total{{model_name="{MODEL_NAME}"}}']
+
+
+def _shared_prefix_hits(replicas, routing: str, seed: int) -> float:
+    import random
+
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "kappa", "sigma", "omega", "theta"]
+    systems = [" ".join(rng.choice(words) for _ in range(110)) for _ in range(3)]
+    (_, b1), (_, b2) = replicas
+    before = _hits(b1) + _hits(b2)
+    with running_gateway(b1, b2, routing=routing) as gw:
+        for i in range(12):  # 3 system prompts, 4 questions each, interleaved
+            body = {"model": MODEL_NAME, "prompt": f"{systems[i % 3]} question {i}",
+                    "max_tokens": 2}  # fmt: skip
+            r = httpx.post(f"{gw}/v1/completions", json=body, headers=AUTH, timeout=30)
+            assert r.status_code == 200
+    return _hits(b1) + _hits(b2) - before
+
+
+def test_prefix_affinity_hits_the_prefix_cache_more_than_round_robin(replicas):
+    round_robin = _shared_prefix_hits(replicas, "round-robin", seed=1)
+    affinity = _shared_prefix_hits(replicas, "prefix-affinity", seed=2)
+    # round-robin alternates replicas, so each system prompt (3 of them, interleaved) is
+    # computed on both replicas; affinity computes each on one
+    assert affinity > round_robin > 0
