@@ -153,3 +153,13 @@ def test_forwarded_body_carries_the_keys_priority_and_tenant():
     assert out["priority"] == 3 and out["user"] == "team-a" and body["user"] == "someone"
     assert estimate_tokens(body) == 11 + 10  # ceil(42 characters with quotes / 4) + max_tokens
     assert estimate_tokens({"messages": [], "n": 2}) == 1 + 2 * 256
+
+
+def test_least_load_counts_what_the_replicas_report():
+    rs = _replicas(3)
+    rs[0].scraped_requests = 6  # busy with other clients' requests
+    rs[1].outstanding = 2
+    rs[2].outstanding, rs[2].scraped_kv_usage = 2, 0.9  # as many, but its cache is fuller
+    assert Router("least-load").choose(rs) is rs[1]
+    rs[1].scraped_requests = 7
+    assert Router("least-load").choose(rs) is rs[2]

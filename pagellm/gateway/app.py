@@ -139,12 +139,34 @@ class Gateway:
                     if isinstance(card.get("max_model_len"), int):
                         known = self.max_model_len.get(card["id"], card["max_model_len"])
                         self.max_model_len[card["id"]] = min(known, card["max_model_len"])
+            await self._scrape_load(replica, headers)
         except (httpx.HTTPError, ValueError, KeyError):
             replica.breaker.record_failure()
         else:
             if replica.breaker.state is not BreakerState.OPEN:
                 replica.breaker.record_success()
         self.metrics.breaker.labels(replica.url).set(_BREAKER_VALUE[replica.breaker.state])
+
+    async def _scrape_load(self, replica: Replica, headers: dict[str, str]) -> None:
+        """Running/waiting requests and KV usage from the replica's /metrics (pagellm's or
+        vLLM's names); a replica without them keeps the gateway's own count only."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        values: dict[str, float] = {}
+        try:  # load figures are a hint: failing to read them says nothing about health
+            resp = await self.client.get(f"{replica.url}/metrics", timeout=5.0, headers=headers)
+            if resp.status_code != 200:
+                return
+            for family in text_string_to_metric_families(resp.text):
+                name = family.name.split(":", 1)[-1]
+                if name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+                    values[name] = sum(sample.value for sample in family.samples)
+        except (httpx.HTTPError, ValueError):
+            return
+        replica.scraped_requests = values.get("num_requests_running", 0.0) + values.get(
+            "num_requests_waiting", 0.0
+        )
+        replica.scraped_kv_usage = values.get("kv_cache_usage_perc", 0.0)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(r) for r in self.replicas))

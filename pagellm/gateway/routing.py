@@ -1,7 +1,8 @@
 """Replica state and routing policies: round-robin, least-load, power-of-two, prefix-affinity.
 
 A policy picks one replica among the candidates (healthy, serving the model) for a request.
-Least-load counts the requests the gateway has outstanding at each replica. Prefix-affinity
+Least-load uses each replica's load: the requests the gateway has outstanding there or, if
+larger, the running + waiting requests the replica reports at /metrics, plus its KV usage. Prefix-affinity
 hashes the start of the prompt so requests sharing a system prompt or a conversation history go
 to the same replica (hitting its prefix cache), unless that replica is much busier than the
 least loaded one.
@@ -25,6 +26,16 @@ class Replica:
     models: set[str] = field(default_factory=set)
     outstanding: int = 0
     """Requests the gateway has in flight at this replica."""
+    scraped_requests: float = 0.0
+    """Running + waiting requests the replica itself reported at the last health check (its
+    /metrics: other clients and gateways count there too)."""
+    scraped_kv_usage: float = 0.0
+
+    @property
+    def load(self) -> float:
+        """Least-load's measure: the larger of what this gateway and the replica count, with
+        KV-cache usage (0..1) breaking ties."""
+        return max(self.outstanding, self.scraped_requests) + self.scraped_kv_usage
 
     def serves(self, model: str | None) -> bool:
         return model is None or not self.models or model in self.models
@@ -49,14 +60,14 @@ class Router:
             replica = candidates[self._next % len(candidates)]
             self._next += 1
             return replica
-        least = min(candidates, key=lambda r: r.outstanding)
+        least = min(candidates, key=lambda r: r.load)
         if self.policy == "least-load" or len(candidates) == 1:
             return least
         if self.policy == "power-of-two":
             a, b = self.rng.sample(candidates, 2)
-            return a if a.outstanding <= b.outstanding else b
+            return a if a.load <= b.load else b
         home = max(candidates, key=lambda r: _weight(prompt_key[: self.affinity_chars], r.url))
-        return home if home.outstanding - least.outstanding < self.slack else least
+        return home if home.load - least.load < self.slack else least
 
 
 def _weight(key: str, url: str) -> int:
