@@ -32,7 +32,7 @@ def _start(model_dir, port: int, *extra: str, launcher: tuple[str, ...] | None =
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _wait_healthy(proc: subprocess.Popen, base: str) -> None:
+def wait_healthy(proc: subprocess.Popen, base: str) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.stdout.read()
@@ -54,7 +54,7 @@ def running_server(
     proc = _start(model_dir, port, *extra, launcher=launcher)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(proc, base)
+        wait_healthy(proc, base)
         yield proc, base
     finally:
         if proc.poll() is None:
@@ -76,3 +76,8 @@ def metrics(server: str) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
     return values
+
+
+def aborted(server: str) -> float:
+    """Sequences the server finished by abort so far."""
+    return sum(v for k, v in metrics(server).items() if 'finished_reason="abort"' in k)

@@ -12,7 +12,16 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import API_KEY, AUTH, MODEL_NAME, free_port, metrics, running_server
+from server_helpers import (
+    API_KEY,
+    AUTH,
+    MODEL_NAME,
+    aborted,
+    free_port,
+    metrics,
+    running_server,
+    wait_healthy,
+)
 
 
 @contextlib.contextmanager
@@ -26,15 +35,7 @@ def running_gateway(*backends: str, routing: str = "round-robin", extra: tuple[s
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.1)
-        else:
-            raise AssertionError("gateway not healthy in 60 s")
+        wait_healthy(proc, base)
         yield base
     finally:
         proc.terminate()
@@ -49,10 +50,6 @@ def replicas(tiny_models):
     model = tiny_models("llama")
     with running_server(model) as (p1, b1), running_server(model) as (p2, b2):
         yield [(p1, b1), (p2, b2)]
-
-
-def _aborted(base: str) -> float:
-    return sum(v for k, v in metrics(base).items() if 'finished_reason="abort"' in k)
 
 
 def _successes(base: str) -> float:
@@ -92,7 +89,7 @@ def test_proxy_round_robin_and_streaming(replicas):
 
 def test_disconnect_through_the_gateway_frees_the_replica(replicas):
     (_, b1), _ = replicas
-    aborted = _aborted(b1)
+    aborted_before = aborted(b1)
     with running_gateway(b1) as gw:
         body = {"model": MODEL_NAME, "prompt": "go", "max_tokens": 480, "ignore_eos": True,
                 "stream": True}  # fmt: skip
@@ -106,11 +103,11 @@ def test_disconnect_through_the_gateway_frees_the_replica(replicas):
         kv = f'pagellm:kv_cache_usage_perc{{model_name="{MODEL_NAME}"}}'
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline and (
-            metrics(b1)[running] or metrics(b1)[kv] or _aborted(b1) == aborted
+            metrics(b1)[running] or metrics(b1)[kv] or aborted(b1) == aborted_before
         ):
             time.sleep(0.05)
         assert metrics(b1)[running] == 0 and metrics(b1)[kv] == 0
-        assert _aborted(b1) == aborted + 1  # the replica aborted it: it did not just finish
+        assert aborted(b1) == aborted_before + 1  # the replica aborted it: it did not just finish
 
 
 def test_failover_then_cluster_unavailable(tiny_models):

@@ -7,7 +7,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import API_KEY, AUTH, MODEL_NAME, metrics, running_server
+from server_helpers import API_KEY, AUTH, MODEL_NAME, aborted, metrics, running_server
 
 
 @pytest.fixture(scope="module")
@@ -168,17 +168,13 @@ def test_tokenize_roundtrip(server):
     assert text.json()["prompt"] == "hello world"
 
 
-def _aborted(server) -> float:
-    return sum(v for k, v in metrics(server).items() if 'finished_reason="abort"' in k)
-
-
 def _wait_idle(server, aborted_before: float) -> dict[str, float]:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         m = metrics(server)
         running = m[f'pagellm:num_requests_running{{model_name="{MODEL_NAME}"}}']
         kv = m[f'pagellm:kv_cache_usage_perc{{model_name="{MODEL_NAME}"}}']
-        if running == 0 and kv == 0 and _aborted(server) > aborted_before:
+        if running == 0 and kv == 0 and aborted(server) > aborted_before:
             return m
         time.sleep(0.05)
     raise AssertionError(f"no abort seen: {m}")
@@ -188,7 +184,7 @@ LONG = {"model": MODEL_NAME, "prompt": "go", "max_tokens": 500, "ignore_eos": Tr
 
 
 def test_stream_disconnect_aborts_and_frees_kv(server):
-    before = _aborted(server)
+    before = aborted(server)
     body = {**LONG, "stream": True}
     with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=AUTH) as r:
         seen = 0
@@ -200,7 +196,7 @@ def test_stream_disconnect_aborts_and_frees_kv(server):
 
 
 def test_non_stream_disconnect_aborts_and_frees_kv(server):
-    before = _aborted(server)
+    before = aborted(server)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server}/v1/completions", json=LONG, headers=AUTH, timeout=0.1)
     _wait_idle(server, before)

@@ -32,6 +32,8 @@ class SchedulingPolicy:
     """Base: arrival order."""
 
     name = "fcfs"
+    preempts_for_arrivals = False
+    """Whether a waiting request may ever preempt running ones (see ``may_preempt_for``)."""
 
     def __init__(self, protect_after: int = 2) -> None:
         self.protect_after = protect_after
@@ -62,6 +64,7 @@ class SchedulingPolicy:
 
 class PriorityPolicy(SchedulingPolicy):
     name = "priority"
+    preempts_for_arrivals = True
 
     def rank(self, req: Request) -> tuple:
         return (req.priority, req.arrival_seq)

@@ -180,7 +180,7 @@ class Scheduler:
         """Preempt running requests the policy ranks below the first waiting request that does
         not fit (priority policy only; protected requests are spared)."""
         preempted: list[str] = []
-        while self.waiting and self.running:
+        while self.policy.preempts_for_arrivals and self.waiting and self.running:
             arrival = self.waiting[0]
             victim = self.policy.victim(self.running)
             if not self.policy.may_preempt_for(arrival, victim) or self._fits(arrival, budget):

@@ -191,7 +191,8 @@ class _Context:
         self.latencies: RequestLatencies | None = None
 
     def _chunker(self, rid: str, obj: str, created: int):
-        """A builder of this response's stream events: choices plus optional extra fields."""
+        """A builder of this response's bodies (stream events, or the whole answer): choices
+        plus optional extra fields."""
 
         def chunk(choices: list[dict], **extra: Any) -> dict:
             return {
@@ -277,16 +278,8 @@ class _Context:
                         "stop_reason": comp.stop_reason,
                     }
                 )
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.settings.model_name,
-                "choices": choices,
-                "usage": usage.as_dict(),
-            }
-        )
+        body = self._chunker(rid, "text_completion", created)(choices, usage=usage.as_dict())
+        return JSONResponse(body)
 
     async def _completion_events(self, gens, rid, created, body) -> AsyncIterator[dict]:
         """One stream over all prompts: prompt i's copy j is choice ``i * n + j``."""
@@ -340,16 +333,8 @@ class _Context:
             }
             for comp in out.outputs
         ]
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": self.settings.model_name,
-                "choices": choices,
-                "usage": usage.as_dict(),
-            }
-        )
+        body = self._chunker(rid, "chat.completion", created)(choices, usage=usage.as_dict())
+        return JSONResponse(body)
 
     async def _chat_events(self, gen, rid, created, body) -> AsyncIterator[dict]:
         chunk = self._chunker(rid, "chat.completion.chunk", created)
