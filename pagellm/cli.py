@@ -171,34 +171,25 @@ def _serve_until_drained(app: Any, args: argparse.Namespace) -> None:
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
-    from pagellm.gateway.app import Gateway, GatewaySettings, build_gateway_app
+    from pagellm.gateway.app import Gateway, build_gateway_app
+    from pagellm.gateway.config import ConfigError, GatewaySettings, read_fleet
+    from pagellm.gateway.precheck import load_tokenizers
 
-    file: dict[str, Any] = {}
-    if args.config:
-        import yaml
-
-        with open(args.config, encoding="utf-8") as f:
-            file = yaml.safe_load(f) or {}
-        unknown = set(file) - {"backends", "keys"}
-        if unknown:
-            raise SystemExit(
-                f"pagellm gateway: unknown settings in {args.config}: {sorted(unknown)}"
-            )
-    backends = [*file.get("backends", []), *args.backend]
-    if not backends:
-        raise SystemExit("pagellm gateway: give at least one --backend URL")
+    try:
+        fleet = read_fleet(args.config, tuple(args.backend))
+    except ConfigError as exc:
+        raise SystemExit(f"pagellm gateway: {exc}") from exc
     settings = GatewaySettings(
-        backends=tuple(backends),
-        keys=tuple(file.get("keys", [])),
+        fleet=fleet,
         routing=args.routing,
         max_attempts=args.max_attempts,
         health_interval=args.health_interval,
         breaker_failures=args.breaker_failures,
         breaker_reset=args.breaker_reset,
         backend_api_key=args.backend_api_key,
+        config_path=args.config,
+        flag_backends=tuple(args.backend),
     )
-    from pagellm.gateway.precheck import load_tokenizers
-
     tokenizers = load_tokenizers(args.tokenizer)
     _serve_until_drained(build_gateway_app(Gateway(settings, tokenizers=tokenizers)), args)
     return 0
@@ -275,8 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument(
         "--config",
         default=None,
-        help="YAML with 'backends' (URLs) and 'keys' (name, key_sha256, models, "
-        "requests_per_minute, tokens_per_minute, max_concurrent, priority, tenant)",
+        help="YAML with 'backends' and 'fallbacks' (URLs), 'keys' (name, key_sha256, models, "
+        "requests_per_minute, tokens_per_minute, max_concurrent, priority, tenant) and "
+        "'overload' (max_load, cap_at, max_tokens_cap, queue_size, queue_timeout); "
+        "re-read when it changes, without a restart",
     )
     gw.add_argument("--log-level", default="info")
     gw.add_argument("--shutdown-timeout", type=float, default=30.0)

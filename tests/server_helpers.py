@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 
@@ -21,7 +22,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(model_dir, port: int, *extra: str, launcher: tuple[str, ...] | None = None):
+def start_server(
+    model_dir, port: int, *extra: str, launcher: tuple[str, ...] | None = None
+) -> subprocess.Popen:
+    """Start ``pagellm serve`` (tiny-model settings) on ``port``; wait with wait_healthy."""
     launcher = launcher or ("-m", "pagellm.cli")
     cmd = [
         sys.executable, *launcher, "serve", "--model", str(model_dir),
@@ -51,7 +55,7 @@ def running_server(
 ) -> Iterator[tuple[subprocess.Popen, str]]:
     """A healthy server process on a free loopback port; always stopped afterwards."""
     port = free_port()
-    proc = _start(model_dir, port, *extra, launcher=launcher)
+    proc = start_server(model_dir, port, *extra, launcher=launcher)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, base)
@@ -81,3 +85,83 @@ def metrics(server: str) -> dict[str, float]:
 def aborted(server: str) -> float:
     """Sequences the server finished by abort so far."""
     return sum(v for k, v in metrics(server).items() if 'finished_reason="abort"' in k)
+
+
+@contextlib.contextmanager
+def running_gateway(
+    *backends: str,
+    routing: str = "round-robin",
+    extra: tuple[str, ...] = (),
+    health_interval: float = 0.3,
+) -> Iterator[str]:
+    """A healthy `pagellm gateway` on a free loopback port (quick health checks, a breaker that
+    opens on one failure and probes after a second); always stopped afterwards."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagellm.cli", "gateway", "--port", str(port)]
+    for b in backends:
+        cmd += ["--backend", b]
+    cmd += ["--routing", routing, "--backend-api-key", API_KEY,
+            "--health-interval", str(health_interval), "--breaker-failures", "1",
+            "--breaker-reset", "1", "--log-level", "warning", *extra]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, base)
+        yield base
+    finally:
+        stop_server(proc)
+
+
+@contextlib.contextmanager
+def running_fake(model: str = "fake") -> Iterator[tuple[subprocess.Popen, str]]:
+    """A scripted replica (tests/fake_replica.py) on a free loopback port."""
+    port = free_port()
+    script = Path(__file__).with_name("fake_replica.py")
+    cmd = [sys.executable, str(script), "--port", str(port), "--model", model]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, base)
+        yield proc, base
+    finally:
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)
+
+
+def wait_until(condition, timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll ``condition()`` every 50 ms until it is true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def gateway_metric(base: str, prefix: str) -> float:
+    """Sum of the gateway's samples whose line starts with ``prefix`` (name{labels...)."""
+    total = 0.0
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith(prefix):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def stream_outcome(gw: str, body: dict) -> str:
+    """'done' (every event and [DONE], no error event), 'error' (a clean error event or an
+    OpenAI-style error status), or what else happened (a test failure)."""
+    with httpx.stream("POST", f"{gw}/v1/completions", json=body, headers=AUTH, timeout=30) as r:
+        if r.status_code != 200:
+            return "error" if "error" in r.read().decode() else f"status {r.status_code}"
+        events = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    if not events or events[-1] != "data: [DONE]":
+        return "silent cut"
+    return "error" if any('"error"' in e for e in events) else "done"

@@ -4,9 +4,7 @@ a replica dies, and 503 cluster_unavailable when none is left."""
 
 from __future__ import annotations
 
-import contextlib
-import subprocess
-import sys
+import concurrent.futures
 import time
 
 import httpx
@@ -18,31 +16,16 @@ from server_helpers import (
     MODEL_NAME,
     aborted,
     free_port,
+    gateway_metric,
     metrics,
+    running_gateway,
     running_server,
+    start_server,
+    stop_server,
+    stream_outcome,
     wait_healthy,
+    wait_until,
 )
-
-
-@contextlib.contextmanager
-def running_gateway(*backends: str, routing: str = "round-robin", extra: tuple[str, ...] = ()):
-    port = free_port()
-    cmd = [sys.executable, "-m", "pagellm.cli", "gateway", "--port", str(port)]
-    for b in backends:
-        cmd += ["--backend", b]
-    cmd += ["--routing", routing, "--backend-api-key", API_KEY, "--health-interval", "0.3", "--breaker-failures", "1",
-            "--breaker-reset", "1", "--log-level", "warning", *extra]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, base)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +120,55 @@ def test_failover_then_cluster_unavailable(tiny_models):
         assert r.status_code == 503
         assert r.json()["error"]["type"] == "cluster_unavailable"
         assert r.headers["retry-after"]
+
+
+def _breaker(gw: str, replica: str) -> float:
+    line = f'pagellm_gateway:breaker_state{{replica="{replica}"}}'
+    return gateway_metric(gw, line)
+
+
+def test_killing_a_replica_under_load_loses_no_request(tiny_models):
+    model = tiny_models("llama")
+    port = free_port()
+    b2 = f"http://127.0.0.1:{port}"
+    running = f'pagellm:num_requests_running{{model_name="{MODEL_NAME}"}}'
+    plain = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2}
+    with running_server(model) as (_, b1):
+        p2 = start_server(model, port)
+        try:
+            wait_healthy(p2, b2)
+            with (  # no health checks during the test: the breaker learns from requests alone
+                running_gateway(b1, b2, health_interval=60) as gw,
+                concurrent.futures.ThreadPoolExecutor(12) as pool,
+            ):
+                body = {"model": MODEL_NAME, "prompt": "go", "max_tokens": 300,
+                        "ignore_eos": True, "stream": True}  # fmt: skip
+                streams = [pool.submit(stream_outcome, gw, body) for _ in range(12)]
+                wait_until(lambda: metrics(b2)[running] >= 3, what="streams on the replica")
+                p2.kill()  # dies mid-load
+                p2.wait(timeout=20)
+                for _ in range(6):  # new requests all complete: b2 is retried or skipped
+                    r = httpx.post(f"{gw}/v1/completions", json=plain, headers=AUTH, timeout=30)
+                    assert r.status_code == 200, r.text
+                outcomes = [f.result() for f in streams]
+                # every stream finished whole or ended with an error event: none cut silently
+                assert set(outcomes) == {"done", "error"}, outcomes
+                opened = f'pagellm_gateway:breaker_opens_total{{replica="{b2}"}}'
+                assert gateway_metric(gw, opened) >= 1
+                assert _breaker(gw, b2) != 0  # open, or half-open waiting for a probe
+                p2 = start_server(model, port)  # the replica comes back on its address
+                wait_healthy(p2, b2)
+                before = _successes(b2)
+
+                def probed_and_closed() -> bool:
+                    r = httpx.post(f"{gw}/v1/completions", json=plain, headers=AUTH, timeout=30)
+                    assert r.status_code == 200
+                    return _breaker(gw, b2) == 0
+
+                wait_until(probed_and_closed, timeout=30, what="the breaker to close")
+                assert _successes(b2) > before  # the probe was served by the returned replica
+        finally:
+            stop_server(p2)
 
 
 def test_gateway_keys_and_limits(replicas, tmp_path):

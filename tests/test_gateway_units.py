@@ -163,3 +163,109 @@ def test_least_load_counts_what_the_replicas_report():
     assert Router("least-load").choose(rs) is rs[1]
     rs[1].scraped_requests = 7
     assert Router("least-load").choose(rs) is rs[2]
+
+
+def test_reloaded_keys_keep_their_in_flight_count_and_bucket_levels():
+    from pagellm.gateway.limits import KeyRing, hash_key
+
+    clock = Clock()
+    entry = {"name": "a", "key_sha256": hash_key("secret-a"), "max_concurrent": 2,
+             "requests_per_minute": 3}  # fmt: skip
+    old = KeyRing([entry], clock)
+    key = old.identify("Bearer secret-a")
+    assert old.admit(key, None, 0) is None and old.admit(key, None, 0) is None
+    new = KeyRing([{**entry, "tenant": "t"}, {"key": "secret-b"}], clock, previous=old)
+    reloaded = new.identify("Bearer secret-a")
+    assert reloaded.tenant == "t" and reloaded.in_flight == 2
+    assert new.admit(reloaded, None, 0).status == 429  # still two in flight
+    old.settle(key, 0, 0)  # a request admitted before the reload ends: counted on the new one
+    assert reloaded.in_flight == 1
+    assert new.admit(reloaded, None, 0) is None  # the third of the minute
+    new.settle(reloaded, 0, 0)
+    new.settle(reloaded, 0, 0)
+    denied = new.admit(reloaded, None, 0)  # the bucket kept its level across the reload
+    assert denied.status == 429 and "requests-per-minute" in denied.message
+    assert new.identify("Bearer secret-b") is not None
+
+
+def test_config_errors_name_the_key(tmp_path):
+    from pagellm.gateway.config import ConfigError, read_fleet
+
+    cfg = tmp_path / "g.yaml"
+    for text, named in (
+        ("backends: [http://a]\nroutes: 1\n", "routes"),
+        ("backends: [http://a]\nkeys: [{key: k, colour: red}]\n", "colour"),
+        ("backends: [http://a]\nkeys: [{name: n}]\n", "key_sha256"),
+        ("backends: [http://a]\noverload: {max_load: lots}\n", "max_load"),
+        ("overload: {queue_depth: 3}\n", "queue_depth"),
+        ("keys: []\n", "at least one replica"),
+    ):
+        cfg.write_text(text)
+        with pytest.raises(ConfigError, match=named):
+            read_fleet(cfg)
+    cfg.write_text("backends: [http://a/]\nfallbacks: [http://q]\noverload: {max_load: 8}\n")
+    fleet = read_fleet(cfg, ("http://b",))
+    assert fleet.backends == ("http://a", "http://b") and fleet.fallbacks == ("http://q",)
+    assert fleet.overload.max_load == 8 and fleet.overload.queue_size == 0
+
+
+def test_admission_queue_is_first_come_first_served():
+    import asyncio
+
+    from pagellm.gateway.overload import AdmissionQueue
+
+    async def scenario() -> list[str]:
+        queue, room, order = AdmissionQueue(Clock()), [0], []
+
+        async def request(name: str) -> None:
+            if await queue.wait_turn(lambda: room[0] > 0, timeout=60):
+                room[0] -= 1  # takes its slot before it next awaits
+                order.append(name)
+
+        first = asyncio.create_task(request("first"))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(request("second"))
+        await asyncio.sleep(0)
+        assert len(queue) == 2 and order == []
+        room[0] = 1
+        queue.notify()
+        for _ in range(10):  # let the woken waiters run (no time passes)
+            await asyncio.sleep(0)
+        assert order == ["first"] and len(queue) == 1  # only the head left
+        room[0] = 1
+        queue.notify()
+        await asyncio.gather(first, second)
+        return order
+
+    assert asyncio.run(scenario()) == ["first", "second"]
+
+
+def test_admission_queue_times_out_on_the_injected_clock():
+    import asyncio
+
+    from pagellm.gateway.overload import AdmissionQueue
+
+    async def scenario() -> bool:
+        clock = Clock()
+        queue = AdmissionQueue(clock)
+        waiter = asyncio.create_task(queue.wait_turn(lambda: False, timeout=5))
+        await asyncio.sleep(0)
+        clock.now = 6.0  # past its deadline: the next look says no
+        queue.notify()
+        return await waiter
+
+    assert asyncio.run(scenario()) is False
+
+
+def test_max_tokens_cap_and_stream_usage():
+    from pagellm.gateway.app import _cap_tokens, _stream_usage
+
+    body = {"max_tokens": 100}
+    assert _cap_tokens(body, 16) and body == {"max_tokens": 16}
+    body = {"max_completion_tokens": 8}
+    assert not _cap_tokens(body, 16) and body == {"max_completion_tokens": 8}
+    body = {}
+    assert _cap_tokens(body, 16) and body == {"max_tokens": 16}
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":7}}\n\n'
+    assert _stream_usage(b'data: {"choices":[1]}\n\n' + usage + b"data: [DONE]\n\n") == 12
+    assert _stream_usage(b'data: {"usage":{"prompt_tokens":5,"comp') is None  # split: estimate

@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -29,7 +31,9 @@ from prometheus_client import (
 
 from pagellm.engine.errors import ContextLengthExceeded
 from pagellm.gateway.breaker import BreakerState, CircuitBreaker
+from pagellm.gateway.config import ConfigError, Fleet, GatewaySettings, read_fleet
 from pagellm.gateway.limits import KeyPolicy, KeyRing
+from pagellm.gateway.overload import AdmissionQueue
 from pagellm.gateway.precheck import check_fits
 from pagellm.gateway.routing import Replica, Router
 from pagellm.server.errors import error_body
@@ -37,24 +41,7 @@ from pagellm.server.errors import error_body
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _FORWARDED = ("authorization", "content-type", "accept")
 _BREAKER_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
-
-
-@dataclass(frozen=True, slots=True)
-class GatewaySettings:
-    backends: tuple[str, ...]
-    routing: str = "least-load"
-    max_attempts: int = 2
-    """Replicas tried for one request when they fail before the first byte."""
-    health_interval: float = 2.0
-    breaker_failures: int = 3
-    breaker_reset: float = 5.0
-    upstream_timeout: float = 600.0
-    keys: tuple[dict[str, Any], ...] = ()
-    """API keys (name, key_sha256, models, requests_per_minute, tokens_per_minute,
-    max_concurrent, priority, tenant); none means no auth at the gateway."""
-    backend_api_key: str | None = None
-    """Sent to the replicas (health checks, model lists, and proxied requests in place of the
-    client's Authorization); without it the client's header is passed through."""
+log = logging.getLogger("pagellm.gateway")
 
 
 class GatewayMetrics:
@@ -62,8 +49,8 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.requests = Counter(
             "pagellm_gateway:requests",
-            "Proxied requests by model, replica and status.",
-            ["model", "replica", "status"],
+            "Requests by API key name, model, replica ('gateway' when answered here) and status.",
+            ["key", "model", "replica", "status"],
             registry=self.registry,
         )
         self.retries = Counter(
@@ -83,6 +70,53 @@ class GatewayMetrics:
             ["replica"],
             registry=self.registry,
         )
+        self.breaker_opens = Counter(
+            "pagellm_gateway:breaker_opens",
+            "Times a replica's circuit breaker opened (or re-opened after a failed probe).",
+            ["replica"],
+            registry=self.registry,
+        )
+        self.overload = Counter(
+            "pagellm_gateway:overload_actions",
+            "Overload steps taken: capped (max_tokens), fallback, queued, rejected (503).",
+            ["action"],
+            registry=self.registry,
+        )
+        self.queue_depth = Gauge(
+            "pagellm_gateway:queue_depth",
+            "Requests waiting at the gateway for a replica with room.",
+            registry=self.registry,
+        )
+        self.reloads = Counter(
+            "pagellm_gateway:config_reloads",
+            "Reloads of the config file, by result (ok, error).",
+            ["result"],
+            registry=self.registry,
+        )
+
+
+@dataclass
+class _Call:
+    """One proxied request as it goes through the gateway."""
+
+    path: str
+    raw: Request
+    body: dict[str, Any] = field(default_factory=dict)
+    content: bytes | None = None
+    """The bytes sent upstream; None once ``body`` was changed (re-encoded when sent)."""
+    headers: dict[str, str] = field(default_factory=dict)
+    settle: _Settlement | None = None
+    key_name: str = ""
+    replica: str = "gateway"
+
+    @property
+    def model(self) -> str | None:
+        return self.body.get("model")
+
+    def encoded(self) -> bytes:
+        if self.content is None:
+            self.content = json.dumps(self.body).encode()
+        return self.content
 
 
 class Gateway:
@@ -96,13 +130,8 @@ class Gateway:
         self.settings = settings
         self.clock = clock
         self.router = Router(settings.routing)
-        self.replicas = [
-            Replica(
-                url.rstrip("/"),
-                CircuitBreaker(clock, settings.breaker_failures, settings.breaker_reset),
-            )
-            for url in settings.backends
-        ]
+        self.fleet = settings.fleet
+        self.replicas = self._replicas_for(settings.fleet, {})
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.upstream_timeout, connect=5.0),
@@ -111,15 +140,62 @@ class Gateway:
             trust_env=False,
         )
         self.metrics = GatewayMetrics()
-        self.keys = KeyRing(list(settings.keys), clock)
+        self.keys = KeyRing(list(settings.fleet.keys), clock)
+        self.queue = AdmissionQueue(clock)
         self.tokenizers = tokenizers or {}
         """Served model -> its tokenizer, for the prompt-length pre-check."""
         self.max_model_len: dict[str, int] = {}
         """Served model -> the smallest context length its replicas report."""
         key = settings.backend_api_key
         self.backend_headers = {"authorization": f"Bearer {key}"} if key else {}
+        self._config_mtime = _mtime(settings.config_path)
 
-    # ----- replicas ---------------------------------------------------------------------
+    # ----- replicas and reloads ---------------------------------------------------------
+
+    def _replicas_for(self, fleet: Fleet, known: dict[str, Replica]) -> list[Replica]:
+        out = []
+        for url in dict.fromkeys((*fleet.backends, *fleet.fallbacks)):
+            replica = known.get(url) or Replica(
+                url,
+                CircuitBreaker(
+                    self.clock, self.settings.breaker_failures, self.settings.breaker_reset
+                ),
+            )
+            replica.fallback = url not in fleet.backends
+            out.append(replica)
+        return out
+
+    async def apply(self, fleet: Fleet) -> None:
+        """Use a new fleet: replicas that stay keep their state (load, breaker, models), new
+        ones are health-checked before they take traffic, removed ones finish what they have in
+        flight; keys that stay keep their in-flight count and bucket levels."""
+        known = {r.url: r for r in self.replicas}
+        replicas = self._replicas_for(fleet, known)
+        await asyncio.gather(*(self.check(r) for r in replicas if r.url not in known))
+        for url in set(known) - {r.url for r in replicas}:
+            for family in (self.metrics.breaker, self.metrics.breaker_opens):
+                with contextlib.suppress(KeyError):
+                    family.remove(url)
+        self.keys = KeyRing(list(fleet.keys), self.clock, previous=self.keys)
+        self.fleet, self.replicas = fleet, replicas
+        self.queue.notify()
+
+    async def reload_if_changed(self) -> None:
+        """Re-read the config file when it changed; a file that fails its checks is logged
+        and counted, and the running fleet stays."""
+        path = self.settings.config_path
+        mtime = _mtime(path)
+        if path is None or mtime is None or mtime == self._config_mtime:
+            return
+        self._config_mtime = mtime
+        try:
+            fleet = read_fleet(path, self.settings.flag_backends)
+        except ConfigError as exc:
+            log.error("config not reloaded: %s", exc)
+            self.metrics.reloads.labels("error").inc()
+            return
+        await self.apply(fleet)
+        self.metrics.reloads.labels("ok").inc()
 
     async def check(self, replica: Replica) -> None:
         """Health check (and model list) of one replica, fed to its breaker."""
@@ -141,11 +217,10 @@ class Gateway:
                         self.max_model_len[card["id"]] = min(known, card["max_model_len"])
             await self._scrape_load(replica, headers)
         except (httpx.HTTPError, ValueError, KeyError):
-            replica.breaker.record_failure()
+            self._breaker_failure(replica)
         else:
             if replica.breaker.state is not BreakerState.OPEN:
                 replica.breaker.record_success()
-        self.metrics.breaker.labels(replica.url).set(_BREAKER_VALUE[replica.breaker.state])
 
     async def _scrape_load(self, replica: Replica, headers: dict[str, str]) -> None:
         """Running/waiting requests and KV usage from the replica's /metrics (pagellm's or
@@ -170,33 +245,64 @@ class Gateway:
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(r) for r in self.replicas))
+        self.queue.notify()  # loads were re-read: waiting requests look again
 
     async def health_loop(self) -> None:
         while True:
+            await self.reload_if_changed()
             await self.check_all()
             await asyncio.sleep(self.settings.health_interval)
 
-    def candidates(self, model: str | None, tried: set[int]) -> list[Replica]:
-        return [
+    def _saturated(self, replica: Replica) -> bool:
+        most = self.fleet.overload.max_load
+        return most is not None and replica.load >= most
+
+    def candidates(self, model: str | None, tried: set[str]) -> list[Replica]:
+        """Replicas that may take a new request now: the untried primaries with room, else the
+        untried fallbacks with room (a fallback also serves when every primary is down)."""
+        up = [
             r
-            for i, r in enumerate(self.replicas)
-            if i not in tried and r.serves(model) and r.breaker.state is not BreakerState.OPEN
+            for r in self.replicas
+            if r.url not in tried and r.serves(model) and r.breaker.state is not BreakerState.OPEN
         ]
+        for group in ([r for r in up if not r.fallback], [r for r in up if r.fallback]):
+            free = [r for r in group if not self._saturated(r)]
+            if free:
+                return free
+        return []
+
+    def _has_room(self, model: str | None) -> bool:
+        """A replica can take the request now, or none is up at all (routing then answers)."""
+        up = any(
+            r.serves(model) and r.breaker.state is not BreakerState.OPEN for r in self.replicas
+        )
+        return not up or bool(self.candidates(model, set()))
+
+    def _all_primaries_at(self, model: str | None, load: float) -> bool:
+        primaries = [r for r in self.replicas if not r.fallback and r.serves(model)]
+        return bool(primaries) and all(r.load >= load for r in primaries)
 
     # ----- proxying ---------------------------------------------------------------------
 
     async def proxy(self, path: str, raw: Request) -> Response:
-        content = await raw.body()
+        call = _Call(path, raw)
+        response = await self._handle(call)
+        self.metrics.requests.labels(
+            call.key_name, call.model or "", call.replica, str(response.status_code)
+        ).inc()
+        return response
+
+    async def _handle(self, call: _Call) -> Response:
+        call.content = await call.raw.body()
         try:
-            body = json.loads(content)
+            body = json.loads(call.content)
         except ValueError:
             return _error(400, "the request body is not valid JSON")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
-        model = body.get("model")
-        key = json.dumps(body.get("messages") or body.get("prompt") or "")
-        headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARDED}
-        tokenizer, limit = self.tokenizers.get(model), self.max_model_len.get(model)
+        call.body = body
+        call.headers = {k: v for k, v in call.raw.headers.items() if k.lower() in _FORWARDED}
+        tokenizer, limit = self.tokenizers.get(call.model), self.max_model_len.get(call.model)
         if tokenizer is not None and limit is not None:
             try:
                 check_fits(tokenizer, body, limit)
@@ -204,52 +310,93 @@ class Gateway:
                 return _error(400, str(exc), code=exc.code)
             except (ValueError, TypeError, AttributeError) as exc:
                 return _error(400, f"cannot read the prompt: {exc}")
-        policy = None
+        call.settle = _Settlement(None, None, 0)
         if self.keys.enabled:
-            policy = self.keys.identify(raw.headers.get("authorization"))
+            keys = self.keys
+            policy = keys.identify(call.raw.headers.get("authorization"))
             if policy is None:
                 return _error(401, "missing or wrong API key", kind="authentication_error")
+            call.key_name = policy.name
             charge = estimate_tokens(body)
-            denied = self.keys.admit(policy, model, charge)
+            denied = keys.admit(policy, call.model, charge)
             if denied is not None:
                 wait = denied.retry_after
                 retry = None
                 if wait is not None and math.isfinite(wait):
                     retry = {"Retry-After": str(max(1, math.ceil(wait)))}
                 return _error(denied.status, denied.message, code=denied.code, headers=retry)
-            content = json.dumps(_with_policy(body, policy)).encode()
-            headers.pop("authorization", None)  # the client's key is the gateway's, not theirs
-            settle = _Settlement(self.keys, policy, charge)
-        else:
-            settle = _Settlement(None, None, 0)
-        headers.update(self.backend_headers)
+            call.body, call.content = _with_policy(body, policy), None
+            call.headers.pop("authorization", None)  # the client's key is the gateway's
+            call.settle = _Settlement(keys, policy, charge)
+        call.headers.update(self.backend_headers)
         try:
-            return await self._route(path, raw, body, content, headers, model, key, settle)
+            return await self._admit(call)
         finally:
-            settle.unless_handed_over()
+            call.settle.unless_handed_over()
 
-    async def _route(self, path, raw, body, content, headers, model, key, settle) -> Response:
-        tried: set[int] = set()
+    async def _admit(self, call: _Call) -> Response:
+        """The overload steps: cap max_tokens when every primary is busy, wait in the bounded
+        queue when no replica has room (fallbacks included), 503 when the queue is full or the
+        wait runs out; then route."""
+        rules = self.fleet.overload
+        busy = rules.cap_at is not None and self._all_primaries_at(call.model, rules.cap_at)
+        if busy and _cap_tokens(call.body, rules.max_tokens_cap):
+            call.content = None
+            self.metrics.overload.labels("capped").inc()
+        if len(self.queue) or not self._has_room(call.model):
+            if len(self.queue) >= rules.queue_size:
+                return self._overloaded()
+            self.metrics.overload.labels("queued").inc()
+            self.metrics.queue_depth.inc()
+            try:
+                ready = await self.queue.wait_turn(
+                    lambda: self._has_room(call.model), rules.queue_timeout
+                )
+            finally:
+                self.metrics.queue_depth.dec()
+            if not ready:
+                return self._overloaded()
+        return await self._route(call)
+
+    def _overloaded(self) -> JSONResponse:
+        self.metrics.overload.labels("rejected").inc()
+        return _error(
+            503,
+            "every replica is saturated; try again shortly",
+            code="overloaded",
+            kind="cluster_unavailable",
+            headers={"Retry-After": "1"},
+        )
+
+    async def _route(self, call: _Call) -> Response:
+        tried: set[str] = set()
         for attempt in range(self.settings.max_attempts):
             if attempt:
                 self.metrics.retries.inc()
-            replica = self._pick(model, key, tried)
+            replica = self._pick(call.model, call.body, tried)
             if replica is None:
                 break
-            resp = await self._send(replica, path, content, headers)
+            resp = await self._send(replica, call)
             if resp is None:
                 continue
-            self.metrics.requests.labels(model or "", replica.url, str(resp.status_code)).inc()
-            if body.get("stream") and resp.status_code == 200:
-                settle.hand_over()  # the stream settles when it ends
+            if call.body.get("stream") and resp.status_code == 200:
+                first = await self._first_chunk(resp, replica, call.raw)
+                if first is None:
+                    continue  # failed before a byte reached the client: try another replica
+                if isinstance(first, Response):
+                    return first  # the client left meanwhile
+                call.replica = replica.url
+                call.settle.hand_over()  # the stream settles when it ends
                 return StreamingResponse(
-                    self._relay(resp, replica, settle),
+                    self._relay(*first, resp, replica, call.settle),
                     media_type="text/event-stream",
                     headers=STREAM_HEADERS,
                 )
-            answer = await self._whole(resp, replica, raw)
-            settle.used = _usage_tokens(answer)
+            call.replica = replica.url
+            answer = await self._whole(resp, replica, call.raw)
+            call.settle.used = _usage_tokens(answer)
             return answer
+        model = call.model
         if model is not None and not any(r.serves(model) for r in self.replicas):
             return _error(404, f"the model {model!r} does not exist", code="model_not_found")
         return _error(
@@ -259,26 +406,27 @@ class Gateway:
             headers={"Retry-After": "2"},
         )
 
-    def _pick(self, model: str | None, key: str, tried: set[int]) -> Replica | None:
+    def _pick(self, model: str | None, body: dict[str, Any], tried: set[str]) -> Replica | None:
         while True:
             candidates = self.candidates(model, tried)
             if not candidates:
                 return None
+            key = json.dumps(body.get("messages") or body.get("prompt") or "")
             replica = self.router.choose(candidates, key)
-            tried.add(self.replicas.index(replica))
+            tried.add(replica.url)
             if replica.breaker.allows():
+                if replica.fallback:
+                    self.metrics.overload.labels("fallback").inc()
                 return replica
 
-    async def _send(
-        self, replica: Replica, path: str, content: bytes, headers: dict[str, str]
-    ) -> httpx.Response | None:
+    async def _send(self, replica: Replica, call: _Call) -> httpx.Response | None:
         """The upstream response (headers read, body not), or None when the replica failed
         before answering (connection refused or reset, timeout, or a 5xx)."""
         replica.outstanding += 1
         start = self.clock()
         try:
             request = self.client.build_request(
-                "POST", f"{replica.url}{path}", content=content, headers=headers
+                "POST", f"{replica.url}{call.path}", content=call.encoded(), headers=call.headers
             )
             resp = await self.client.send(request, stream=True)
         except httpx.HTTPError:
@@ -292,28 +440,73 @@ class Gateway:
         replica.breaker.record_success()
         return resp
 
-    def _failed(self, replica: Replica) -> None:
+    def _release(self, replica: Replica) -> None:
         replica.outstanding -= 1
+        self.queue.notify()
+
+    def _failed(self, replica: Replica) -> None:
+        self._release(replica)
+        self._breaker_failure(replica)
+
+    def _breaker_failure(self, replica: Replica) -> None:
+        was_open = replica.breaker.state is BreakerState.OPEN
         replica.breaker.record_failure()
-        self.metrics.breaker.labels(replica.url).set(_BREAKER_VALUE[replica.breaker.state])
+        if not was_open and replica.breaker.state is BreakerState.OPEN:
+            self.metrics.breaker_opens.labels(replica.url).inc()
+
+    def refresh_breaker_gauges(self) -> None:
+        """Breaker states as of now (open turns half-open with time, not with an event)."""
+        for replica in self.replicas:
+            self.metrics.breaker.labels(replica.url).set(_BREAKER_VALUE[replica.breaker.state])
+
+    async def _first_chunk(
+        self, resp: httpx.Response, replica: Replica, raw: Request
+    ) -> tuple[bytes, AsyncIterator[bytes]] | Response | None:
+        """Wait for the stream's first bytes before answering the client, so that a replica
+        failing before then (dying with the request still in its queue) leaves the request
+        free to retry elsewhere. None: it failed; a Response: the client left meanwhile."""
+        chunks = resp.aiter_raw()
+        reader = asyncio.ensure_future(anext(chunks))
+        try:
+            while True:
+                done, _ = await asyncio.wait({reader}, timeout=0.1)
+                if done:
+                    return reader.result(), chunks
+                if await raw.is_disconnected():
+                    reader.cancel()
+                    await resp.aclose()
+                    self._release(replica)
+                    return Response(status_code=499)
+        except (httpx.HTTPError, StopAsyncIteration):
+            await resp.aclose()
+            self._failed(replica)
+            return None
 
     async def _relay(
-        self, resp: httpx.Response, replica: Replica, settle: _Settlement
+        self,
+        first: bytes,
+        rest: AsyncIterator[bytes],
+        resp: httpx.Response,
+        replica: Replica,
+        settle: _Settlement,
     ) -> AsyncIterator[bytes]:
         """Pass the replica's SSE bytes through as they come. Leaving early (the client went
         away) closes the upstream response, which makes the replica abort the request."""
         try:
-            async for chunk in resp.aiter_raw():
+            yield first
+            async for chunk in rest:
+                if b'"prompt_tokens"' in chunk:  # the usage event (include_usage): settle on it
+                    settle.used = _stream_usage(chunk)
                 yield chunk
         except httpx.HTTPError as exc:
-            replica.breaker.record_failure()
+            self._breaker_failure(replica)
             event = error_body(
                 502, f"the replica failed mid-stream: {type(exc).__name__}", None, None
             )
             yield f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
         finally:
             await resp.aclose()
-            replica.outstanding -= 1
+            self._release(replica)
             settle.now()
 
     async def _whole(self, resp: httpx.Response, replica: Replica, raw: Request) -> Response:
@@ -329,11 +522,11 @@ class Gateway:
                     return Response(status_code=499)
             content = reader.result()
         except httpx.HTTPError as exc:
-            replica.breaker.record_failure()
+            self._breaker_failure(replica)
             return _error(502, f"the replica failed: {type(exc).__name__}")
         finally:
             await resp.aclose()
-            replica.outstanding -= 1
+            self._release(replica)
         media = resp.headers.get("content-type", "application/json")
         extra = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
         return Response(content, status_code=resp.status_code, media_type=media, headers=extra)
@@ -384,6 +577,42 @@ def _with_policy(body: dict[str, Any], policy: KeyPolicy) -> dict[str, Any]:
     if policy.tenant:
         out["user"] = policy.tenant
     return out
+
+
+def _cap_tokens(body: dict[str, Any], cap: int) -> bool:
+    """Lower the request's max_tokens / max_completion_tokens to ``cap`` (setting max_tokens
+    when it gives neither); True if the body changed."""
+    changed = False
+    for name in ("max_tokens", "max_completion_tokens"):
+        asked = body.get(name)
+        if isinstance(asked, int) and asked > cap:
+            body[name] = cap
+            changed = True
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = cap
+        changed = True
+    return changed
+
+
+def _stream_usage(chunk: bytes) -> int | None:
+    """prompt + completion tokens from a chunk holding a stream's usage event, if it parses."""
+    for line in chunk.split(b"\n"):
+        if line.startswith(b"data: {") and b'"prompt_tokens"' in line:
+            try:
+                usage = json.loads(line[len(b"data: ") :])["usage"]
+                return int(usage["prompt_tokens"]) + int(usage["completion_tokens"])
+            except (ValueError, KeyError, TypeError):
+                return None
+    return None
+
+
+def _mtime(path: str | None) -> int | None:
+    if path is None:
+        return None
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
 
 
 def _usage_tokens(answer: Response) -> int | None:
@@ -440,6 +669,7 @@ def build_gateway_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        gateway.refresh_breaker_gauges()
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -1,7 +1,8 @@
 """API keys and their limits at the gateway: a key is stored as its SHA-256 and compared in
 constant time; each key may have allowed models, a requests-per-minute and a tokens-per-minute
 token bucket, a cap on concurrent requests, and a priority and tenant passed to the replicas.
-Buckets run on an injected clock."""
+Buckets run on an injected clock. A key's running state (requests in flight, buckets) lives
+apart from its settings so that reloading the keys keeps it."""
 
 from __future__ import annotations
 
@@ -49,6 +50,14 @@ class TokenBucket:
 
 
 @dataclass
+class KeyState:
+    """What a key is using now; carried over when the keys are reloaded."""
+
+    in_flight: int = 0
+    buckets: dict[str, TokenBucket] = field(default_factory=dict)
+
+
+@dataclass
 class KeyPolicy:
     name: str
     key_sha256: str
@@ -58,8 +67,15 @@ class KeyPolicy:
     max_concurrent: int | None = None
     priority: int | None = None
     tenant: str | None = None
-    in_flight: int = 0
-    buckets: dict[str, TokenBucket] = field(default_factory=dict)
+    state: KeyState = field(default_factory=KeyState)
+
+    @property
+    def in_flight(self) -> int:
+        return self.state.in_flight
+
+    @property
+    def buckets(self) -> dict[str, TokenBucket]:
+        return self.state.buckets
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +89,17 @@ class Denied:
 class KeyRing:
     """The configured keys. With none configured the gateway is open (no auth)."""
 
-    def __init__(self, entries: list[dict[str, Any]], clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        entries: list[dict[str, Any]],
+        clock: Callable[[], float],
+        previous: KeyRing | None = None,
+    ) -> None:
         self.clock = clock
-        self.keys = [self._policy(e) for e in entries]
+        old = {p.key_sha256: p for p in previous.keys} if previous else {}
+        self.keys = [self._policy(e, old) for e in entries]
 
-    def _policy(self, e: dict[str, Any]) -> KeyPolicy:
+    def _policy(self, e: dict[str, Any], old: dict[str, KeyPolicy]) -> KeyPolicy:
         digest = e.get("key_sha256") or (hash_key(e["key"]) if e.get("key") else None)
         if not digest:
             raise ValueError(f"key {e.get('name')!r}: give key_sha256 (or key)")
@@ -91,10 +113,19 @@ class KeyRing:
             priority=e.get("priority"),
             tenant=e.get("tenant"),
         )
-        if p.requests_per_minute:
-            p.buckets["requests"] = TokenBucket(p.requests_per_minute, self.clock)
-        if p.tokens_per_minute:
-            p.buckets["tokens"] = TokenBucket(p.tokens_per_minute, self.clock)
+        before = old.get(p.key_sha256)
+        kept = dict(before.buckets) if before else {}
+        if before is not None:  # a reload: in-flight requests and bucket levels carry over
+            p.state.in_flight = before.state.in_flight
+            before.state = p.state  # requests admitted under the old settings settle here
+        for name, per_minute in (
+            ("requests", p.requests_per_minute),
+            ("tokens", p.tokens_per_minute),
+        ):
+            if name in kept and kept[name].capacity == per_minute:
+                p.buckets[name] = kept[name]
+            elif per_minute:
+                p.buckets[name] = TokenBucket(per_minute, self.clock)
         return p
 
     @property
@@ -131,12 +162,12 @@ class KeyRing:
             if math.isinf(wait):
                 return Denied(429, f"the request ({tokens} tokens) exceeds tokens-per-minute")
             return Denied(429, "tokens-per-minute limit reached", wait)
-        policy.in_flight += 1
+        policy.state.in_flight += 1
         return None
 
     def settle(self, policy: KeyPolicy, charged: int, used: int | None) -> None:
         """The request ended: it no longer counts in flight; refund what it did not use."""
-        policy.in_flight -= 1
+        policy.state.in_flight -= 1
         bucket = policy.buckets.get("tokens")
         if bucket and used is not None and used < charged:
             bucket.give_back(charged - used)

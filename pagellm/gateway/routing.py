@@ -30,6 +30,8 @@ class Replica:
     """Running + waiting requests the replica itself reported at the last health check (its
     /metrics: other clients and gateways count there too)."""
     scraped_kv_usage: float = 0.0
+    fallback: bool = False
+    """Used only when every primary replica is saturated or down."""
 
     @property
     def load(self) -> float:

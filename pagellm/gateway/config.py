@@ -1,0 +1,139 @@
+"""The gateway's settings: the fixed ones (from flags) and the fleet (replicas, fallback replicas,
+API keys, overload rules) that a YAML file gives and that reloads without a restart. A file is
+checked whole before it is used: an unknown key or a wrong type is an error that names it, and a
+reload that fails keeps the fleet that was running."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+_KEY_FIELDS = {
+    "name": str,
+    "key_sha256": str,
+    "key": str,
+    "models": list,
+    "requests_per_minute": (int, float),
+    "tokens_per_minute": (int, float),
+    "max_concurrent": int,
+    "priority": int,
+    "tenant": str,
+}
+
+
+class ConfigError(ValueError):
+    """A gateway config file that cannot be used; the message names the file and the key."""
+
+
+@dataclass(frozen=True, slots=True)
+class OverloadSettings:
+    """What the gateway does when the replicas are saturated, in this order: cap ``max_tokens``
+    of new requests, send them to the fallback replicas, hold them in a bounded queue, 503."""
+
+    max_load: float | None = None
+    """Load (requests in flight, or running + waiting as the replica reports) at which a replica
+    takes no new request; none: replicas are never considered saturated."""
+    cap_at: float | None = None
+    """When every primary replica is at this load or more, new requests get ``max_tokens``
+    capped to ``max_tokens_cap``; none: never capped."""
+    max_tokens_cap: int = 256
+    queue_size: int = 0
+    """Requests held at the gateway while every replica is saturated; beyond it, 503."""
+    queue_timeout: float = 30.0
+    """Seconds a request may wait in that queue before it is answered 503."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """The part of the settings that reloads: replicas, fallbacks, keys and overload rules."""
+
+    backends: tuple[str, ...]
+    fallbacks: tuple[str, ...] = ()
+    """Replicas used only when every primary replica is saturated (e.g. a quantized one)."""
+    keys: tuple[dict[str, Any], ...] = ()
+    """API keys (name, key_sha256, models, requests_per_minute, tokens_per_minute,
+    max_concurrent, priority, tenant); none means no auth at the gateway."""
+    overload: OverloadSettings = field(default_factory=OverloadSettings)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    fleet: Fleet
+    routing: str = "least-load"
+    max_attempts: int = 2
+    """Replicas tried for one request when they fail before the first byte."""
+    health_interval: float = 2.0
+    breaker_failures: int = 3
+    breaker_reset: float = 5.0
+    upstream_timeout: float = 600.0
+    backend_api_key: str | None = None
+    """Sent to the replicas (health checks, model lists, and proxied requests in place of the
+    client's Authorization); without it the client's header is passed through."""
+    config_path: str | None = None
+    """The YAML file the fleet came from; watched, and reloaded when it changes."""
+    flag_backends: tuple[str, ...] = ()
+    """Replicas given with --backend: kept across reloads of the file."""
+
+
+def read_fleet(path: str | Path | None, flag_backends: tuple[str, ...] = ()) -> Fleet:
+    """The fleet from the config file (if any) plus the ``--backend`` replicas."""
+    data = _load_yaml(path) if path else {}
+    backends = (*_urls(data, "backends", path), *flag_backends)
+    fleet = Fleet(
+        backends=tuple(dict.fromkeys(backends)),
+        fallbacks=_urls(data, "fallbacks", path),
+        keys=tuple(_checked_key(k, i, path) for i, k in enumerate(data.get("keys") or [])),
+        overload=_overload(data.get("overload") or {}, path),
+    )
+    if not fleet.backends:
+        raise ConfigError("give at least one replica (--backend URL or 'backends' in the config)")
+    return fleet
+
+
+def _load_yaml(path: str | Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top")
+    unknown = set(data) - {"backends", "fallbacks", "keys", "overload"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown settings {sorted(unknown)}")
+    return data
+
+
+def _urls(data: dict[str, Any], name: str, path: Any) -> tuple[str, ...]:
+    urls = data.get(name) or []
+    if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+        raise ConfigError(f"{path}: '{name}' must be a list of URLs")
+    return tuple(u.rstrip("/") for u in urls)
+
+
+def _checked_key(entry: Any, index: int, path: Any) -> dict[str, Any]:
+    where = f"{path}: keys[{index}]"
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where} must be a mapping")
+    for name, value in entry.items():
+        if name not in _KEY_FIELDS:
+            raise ConfigError(f"{where}: unknown setting {name!r}")
+        if value is not None and not isinstance(value, _KEY_FIELDS[name]):
+            raise ConfigError(f"{where}: {name!r} has the wrong type")
+    if not entry.get("key_sha256") and not entry.get("key"):
+        raise ConfigError(f"{where}: give key_sha256 (or key)")
+    return dict(entry)
+
+
+def _overload(data: Any, path: Any) -> OverloadSettings:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: 'overload' must be a mapping")
+    known = {f.name: f for f in fields(OverloadSettings)}
+    for name, value in data.items():
+        if name not in known:
+            raise ConfigError(f"{path}: overload: unknown setting {name!r}")
+        if value is not None and not isinstance(value, int | float):
+            raise ConfigError(f"{path}: overload: {name!r} must be a number")
+    return OverloadSettings(**data)
