@@ -68,17 +68,37 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Splitting one replica's model over several worker processes."""
+
+    tensor_parallel_size: int = 1
+    """Ranks that split each layer (heads, MLP columns, vocabulary), joined by all-reduces."""
+    pipeline_parallel_size: int = 1
+    """Stages that split the layers; activations pass from stage to stage."""
+    distributed_timeout: float = 60.0
+    """Seconds any collective may take before the replica fails its requests (a dead or hung
+    rank never makes it wait forever)."""
+    worker_cls: str = "auto"
+    """module:Class of the runner the other ranks build (auto: pagellm's ModelRunner)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs, composed from the per-area configs."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_flat(cls, **kwargs: Any) -> EngineConfig:
         """Build from flat keyword arguments (CLI flags, YAML keys, ``LLM(**kwargs)``)."""
-        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        parts: dict[str, dict[str, Any]] = {area: {} for area in _AREAS}
         owners = {f.name: area for area, sub in _AREAS.items() for f in dataclasses.fields(sub)}
         for key, value in kwargs.items():
             if key not in owners:
@@ -91,6 +111,7 @@ _AREAS: dict[str, type] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
 }
 
 

@@ -1,4 +1,5 @@
-"""Builds a ready LLMEngine from an EngineConfig: model, tokenizer, KV cache, runner."""
+"""Builds a ready LLMEngine from an EngineConfig: model, tokenizer, KV cache, and the executor
+(one ModelRunner in this process, or a ParallelExecutor over tensor/pipeline-parallel ranks)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
             f"({arch.max_position_embeddings})"
         )
     swap = config.scheduler.preemption_mode == "swap"
-    runner = ModelRunner(files, dtype, config.cache, swap=swap)
-    engine = LLMEngine(config, runner, tokenizer, max_len, arch.vocab_size)
+    if config.parallel.world_size > 1:
+        from pagellm.parallel.executor import ParallelExecutor
+
+        executor = ParallelExecutor(
+            files, config.model.dtype, dtype, config.cache, swap, config.parallel
+        )
+    else:
+        executor = ModelRunner(files, dtype, config.cache, swap=swap)
+    engine = LLMEngine(config, executor, tokenizer, max_len, arch.vocab_size)
     return engine, tokenizer

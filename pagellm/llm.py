@@ -53,6 +53,16 @@ class LLM:
     def get_stats(self) -> EngineStats:
         return self.engine.stats
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor/pipeline-parallel engine (no-op otherwise)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.shutdown()
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         bar = _progress(len(ids)) if use_tqdm and len(ids) > 1 else None

@@ -215,7 +215,10 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.num_threads)
     requests = _load_requests(args)
     llm = LLM(**engine_kwargs(args))
-    engine = run_engine(llm, requests, args.progress)
+    try:
+        engine = run_engine(llm, requests, args.progress)
+    finally:
+        llm.shutdown()  # worker ranks, if any
     del llm
     gc.collect()
     baseline = None

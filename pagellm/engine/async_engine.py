@@ -69,10 +69,14 @@ class AsyncLLMEngine:
         self._stopped = True
         self._inbox.put(None)
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.shutdown()
 
     @property
     def is_healthy(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        """False once a step failed, the engine thread stopped, or a part of the executor (a
+        worker rank) died, even while no request is running."""
+        return self.error is None and self._thread.is_alive() and self.engine.executor_healthy()
 
     @property
     def num_queued_requests(self) -> int:
@@ -97,6 +101,8 @@ class AsyncLLMEngine:
         cancelled task) aborts the request."""
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
+        if not self.engine.executor_healthy():
+            raise EngineDeadError("engine stopped: a worker rank of this replica died")
         text, ids = self.engine.prepare_prompt(prompt)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:

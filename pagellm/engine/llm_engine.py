@@ -32,6 +32,9 @@ from pagellm.engine.scheduler import Scheduler
 
 
 class Executor(Protocol):
+    """Runs steps. May also have ``num_host_blocks`` (swap), ``healthy()`` (False once a part
+    of it died) and ``shutdown()`` (stop what it started)."""
+
     num_blocks: int
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput: ...
@@ -101,6 +104,16 @@ class LLMEngine:
         self._rng = random.Random(config.model.seed)
 
     # ----- requests ---------------------------------------------------------------------
+
+    def executor_healthy(self) -> bool:
+        healthy = getattr(self.executor, "healthy", None)
+        return healthy() if healthy is not None else True
+
+    def shutdown(self) -> None:
+        """Stop the executor's processes, if it has any."""
+        stop = getattr(self.executor, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def add_request(
         self,

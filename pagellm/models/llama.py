@@ -2,6 +2,13 @@
 
 Q/K/V and gate/up projections are fused; ``load_weights`` maps Hugging Face names onto them.
 The forward works on a flattened batch: ``input_ids`` and ``positions`` are 1-D over all tokens.
+
+Under tensor parallelism each rank builds only its shard (``Collectives.layout`` says which):
+Q/K/V and gate/up are split by columns (heads, MLP columns), o_proj and down_proj by rows with
+an all-reduce after them, the embedding and LM head by vocabulary rows. Under pipeline
+parallelism a rank builds only its stage's layers (plus the embedding on the first stage, the
+final norm and LM head on the last). ``load_weights`` takes the full Hugging Face tensors and
+keeps this rank's part.
 """
 
 from __future__ import annotations
@@ -17,16 +24,38 @@ from pagellm.layers.linear import Linear, pack_linears
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding, inverse_frequencies
 from pagellm.models.arch import ModelArch
+from pagellm.parallel.comm import Collectives
+from pagellm.parallel.layout import Span
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding holding this rank's vocabulary rows; tokens outside them give zeros, and
+    the all-reduce over the TP group fills in every token."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, comm: Collectives) -> None:
+        super().__init__()
+        rows = comm.layout.vocab(vocab_size)
+        self.start, self.count, self.comm = rows.start, rows.count, comm
+        self.weight = nn.Parameter(torch.empty(rows.count, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.tp is None:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.count)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.comm.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, backend: Any, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, arch: ModelArch, backend: Any, rotary: RotaryEmbedding, comm: Collectives
+    ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            arch.num_heads,
-            arch.num_kv_heads,
-            arch.head_dim,
-        )
+        self.comm = comm
+        self.num_heads = comm.layout.split(arch.num_heads, "the number of attention heads").count
+        self.num_kv_heads = comm.layout.kv_heads(arch.num_kv_heads).count
+        self.head_dim = arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, arch.qkv_bias)
@@ -46,33 +75,38 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.backend.forward(cache, q, k, v, meta))
+        return self.comm.all_reduce(self.o_proj(self.backend.forward(cache, q, k, v, meta)))
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, comm: Collectives) -> None:
         super().__init__()
-        self.intermediate = arch.intermediate_size
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.comm = comm
+        self.intermediate = comm.layout.split(arch.intermediate_size, "intermediate_size").count
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = Linear(self.intermediate, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.comm.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, backend: Any, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, arch: ModelArch, backend: Any, rotary: RotaryEmbedding, comm: Collectives
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, backend, rotary)
+        self.self_attn = Attention(arch, backend, rotary, comm)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.mlp = MLP(arch, comm)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: Any, meta: Any):
         x = x + self.self_attn(self.input_layernorm(x), positions, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+
+_VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
 
 # HF parameter name fragment -> (our fused parameter, shard index)
 _STACKED = {
@@ -85,19 +119,37 @@ _STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, backend: Any, rope_freq_factors: Any = None) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        backend: Any,
+        rope_freq_factors: Any = None,
+        comm: Collectives | None = None,
+    ) -> None:
         super().__init__()
         self.arch = arch
+        self.comm = comm or Collectives.single()
+        layout = self.comm.layout
         self._rope_freq_factors = rope_freq_factors
         rotary = self._make_rotary()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(arch, backend, rotary) for _ in range(arch.num_layers)
+        self.first_layer = layout.layers(arch.num_layers).start
+        tied_here = arch.tie_word_embeddings and layout.is_last_stage
+        self.embed_tokens = (
+            VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, self.comm)
+            if layout.is_first_stage or tied_here
+            else None
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, backend, rotary, self.comm)
+            for _ in range(layout.layers(arch.num_layers).count)
+        )
+        self.norm = self.lm_head = None
+        if layout.is_last_stage:
+            self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+            rows = layout.vocab(arch.vocab_size).count
+            self.lm_head = Linear(arch.hidden_size, rows, bias=False)
+            if arch.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight
 
     def _make_rotary(self) -> RotaryEmbedding:
         """Rotary tables are computed (float32, CPU), never loaded; also under a meta device."""
@@ -109,49 +161,114 @@ class LlamaForCausalLM(nn.Module):
             return RotaryEmbedding(a.head_dim, a.max_position_embeddings, inv_freq)
 
     def finish_loading(self) -> None:
-        """After ``to_empty`` + ``load_weights``: recompute float32 rotary tables, re-tie."""
+        """After ``to_empty`` + ``load_weights``: recompute float32 rotary tables, re-tie,
+        zero the padding rows of a vocabulary split that does not divide evenly."""
         rotary = self._make_rotary()
         for layer in self.layers:
             layer.self_attn.rotary = rotary
-        if self.arch.tie_word_embeddings:
+        if self.arch.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
+        real = self._real_vocab_rows()
+        for module in (self.embed_tokens, self.lm_head):
+            if module is not None and real < module.weight.shape[0]:
+                with torch.no_grad():
+                    module.weight[real:].zero_()
         pack_linears(self)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], meta: Any
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: list[Any],
+        meta: Any,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        """This stage's layers over the batch: from the token ids on the first stage, from the
+        previous stage's ``hidden`` on the others; normed on the last stage."""
+        x = self.embed_tokens(input_ids) if hidden is None else hidden
         for layer, cache in zip(self.layers, caches, strict=True):
             x = layer(x, positions, cache, meta)
-        return self.norm(x)
+        return self.norm(x) if self.norm is not None else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in the model's dtype; the sampler widens them only where it needs to."""
-        return self.lm_head(hidden)
+        """Logits in the model's dtype over the whole vocabulary (the TP ranks' rows gathered);
+        the sampler widens them only where it needs to."""
+        logits = self.comm.all_gather(self.lm_head(hidden))
+        return (
+            logits
+            if logits.shape[-1] == self.arch.vocab_size
+            else logits[..., : self.arch.vocab_size]
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in; raises on unknown or missing parameters."""
+        """Copy Hugging Face-named tensors in (this rank's part of each); raises on unknown or
+        missing parameters."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+            name = self._local_name(hf_name.removeprefix("model."))
+            if name is None:
                 continue
             target, shard = _target(name)
             if target not in params:
                 raise ValueError(f"checkpoint has an unexpected tensor {hf_name!r}")
-            _copy_into(params[target], tensor, shard, self._shard_sizes(target))
+            part = self._rank_part(target, shard, tensor)
+            rows = self._real_vocab_rows() if target in _VOCAB_PARAMS else None
+            _copy_into(params[target], part, shard, self._shard_sizes(target), rows)
             loaded.add(target if shard is None else f"{target}#{shard}")
         self._check_complete(params, loaded)
 
-    def _shard_sizes(self, target: str) -> list[int]:
-        a = self.arch
+    def _local_name(self, name: str) -> str | None:
+        """The parameter name on this rank, or None for a tensor this rank does not hold."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+            return None
+        if name.startswith("layers."):
+            index, rest = name[len("layers.") :].split(".", 1)
+            local = int(index) - self.first_layer
+            return f"layers.{local}.{rest}" if 0 <= local < len(self.layers) else None
+        if name.startswith("embed_tokens.") and self.embed_tokens is None:
+            return None
+        if name.startswith(("norm.", "lm_head.")) and self.norm is None:
+            return None
+        return name
+
+    def _rank_part(self, target: str, shard: int | None, tensor: torch.Tensor) -> torch.Tensor:
+        """This TP rank's slice of a full checkpoint tensor."""
+        layout, a = self.comm.layout, self.arch
+        if layout.tp_size == 1:
+            return tensor
+        heads, cols = self._heads(), layout.split(a.intermediate_size, "intermediate_size")
         if "qkv_proj" in target:
-            q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+            span = heads if shard == 0 else layout.kv_heads(a.num_kv_heads)
+            return tensor.narrow(0, span.start * a.head_dim, span.count * a.head_dim)
+        if "gate_up_proj" in target:
+            return tensor.narrow(0, cols.start, cols.count)
+        if target.endswith("o_proj.weight"):
+            return tensor.narrow(1, heads.start * a.head_dim, heads.count * a.head_dim)
+        if target.endswith("down_proj.weight"):
+            return tensor.narrow(1, cols.start, cols.count)
+        if target in _VOCAB_PARAMS:
+            return tensor.narrow(0, layout.vocab(a.vocab_size).start, self._real_vocab_rows())
+        return tensor
+
+    def _real_vocab_rows(self) -> int:
+        """Rows of this rank's vocabulary shard that are real tokens (the rest is padding)."""
+        rows = self.comm.layout.vocab(self.arch.vocab_size)
+        return max(0, min(rows.stop, self.arch.vocab_size) - rows.start)
+
+    def _heads(self) -> Span:
+        return self.comm.layout.split(self.arch.num_heads, "the number of attention heads")
+
+    def _shard_sizes(self, target: str) -> list[int]:
+        a, layout = self.arch, self.comm.layout
+        if "qkv_proj" in target:
+            q = self._heads().count * a.head_dim
+            kv = layout.kv_heads(a.num_kv_heads).count * a.head_dim
             return [q, kv, kv]
-        return [a.intermediate_size, a.intermediate_size]
+        inter = layout.split(a.intermediate_size, "intermediate_size").count
+        return [inter, inter]
 
     def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         missing = []
@@ -175,11 +292,19 @@ def _target(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def _copy_into(param: nn.Parameter, tensor: torch.Tensor, shard: int | None, sizes: list[int]):
+def _copy_into(
+    param: nn.Parameter,
+    tensor: torch.Tensor,
+    shard: int | None,
+    sizes: list[int],
+    rows: int | None = None,
+):
     dst = param.data
     if shard is not None:
         offset = sum(sizes[:shard])
         dst = dst.narrow(0, offset, sizes[shard])
+    elif rows is not None:
+        dst = dst.narrow(0, 0, rows)  # a vocabulary shard: padding rows (if any) after these
     if tuple(dst.shape) != tuple(tensor.shape):
         raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs {tuple(dst.shape)}")
     dst.copy_(tensor)

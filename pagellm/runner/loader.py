@@ -68,12 +68,13 @@ def open_model(source: Path) -> ModelFiles:
     return ModelFiles(source, ModelArch.from_hf_config(json.loads(config_file.read_text())))
 
 
-def load_model(files: ModelFiles, dtype: torch.dtype, backend: Any) -> nn.Module:
+def load_model(files: ModelFiles, dtype: torch.dtype, backend: Any, comm: Any = None) -> nn.Module:
+    """The model (this rank's part of it under ``comm``), weights loaded, in eval mode."""
     arch, gguf_model, source = files.arch, files.gguf, files.path
     cls = resolve_model_class(arch.architecture)
     freq_factors = gguf_model.rope_freq_factors() if gguf_model is not None else None
     with torch.device("meta"):
-        model = cls(arch, backend, freq_factors).to(dtype)
+        model = cls(arch, backend, freq_factors, comm).to(dtype)
     model = model.to_empty(device="cpu")
     weights = gguf_model.tensors() if gguf_model is not None else _safetensors(source)
     model.load_weights(weights)  # copy_ casts to the model's dtype

@@ -2,6 +2,11 @@
 
 Sequences the attention backend attends row-wise (decodes, small prefill chunks) are placed first
 in the batch, then the other prefill chunks. Logits are computed only at the positions that sample.
+
+Under tensor/pipeline parallelism every rank runs this same step on its part of the model (the
+step's SchedulerOutput is broadcast to all): a stage after the first receives the previous
+stage's activations, a stage before the last sends its own on, and only rank 0 samples (the last
+stage sends it the logits). Every rank's KV cache holds its own heads of its own layers.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pagellm.config import GIB, CacheConfig
 from pagellm.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagellm.kernels.paged_attention import load_paged_decode_kernel
 from pagellm.models.arch import ModelArch
+from pagellm.parallel.comm import Collectives
 from pagellm.runner.loader import ModelFiles, load_model
 from pagellm.runner.malloc import keep_heap_memory
 from pagellm.sampling.sampler import Sampler
@@ -32,48 +38,74 @@ class StepInputs:
     sample_reqs: list[ScheduledRequest]
 
 
-def num_blocks_for(arch: ModelArch, cache: CacheConfig, dtype: torch.dtype) -> int:
+def num_blocks_for(
+    arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, comm: Collectives | None = None
+) -> int:
+    """KV blocks that fit this rank's budget (``kv_cache_memory`` is per rank)."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
-    return int(cache.kv_cache_memory * GIB) // _bytes_per_block(arch, cache, dtype)
+    return int(cache.kv_cache_memory * GIB) // _bytes_per_block(arch, cache, dtype, comm)
 
 
-def num_host_blocks_for(arch: ModelArch, cache: CacheConfig, dtype: torch.dtype) -> int:
+def num_host_blocks_for(
+    arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, comm: Collectives | None = None
+) -> int:
     if cache.num_host_blocks_override is not None:
         return cache.num_host_blocks_override
-    return int(cache.swap_space * GIB) // _bytes_per_block(arch, cache, dtype)
+    return int(cache.swap_space * GIB) // _bytes_per_block(arch, cache, dtype, comm)
 
 
-def _bytes_per_block(arch: ModelArch, cache: CacheConfig, dtype: torch.dtype) -> int:
+def _bytes_per_block(
+    arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, comm: Collectives | None
+) -> int:
+    layout = (comm or Collectives.single()).layout
     return cache_bytes_per_block(
-        arch.num_layers, arch.num_kv_heads, arch.head_dim, cache.block_size, dtype
+        layout.layers(arch.num_layers).count,
+        layout.kv_heads(arch.num_kv_heads).count,
+        arch.head_dim,
+        cache.block_size,
+        dtype,
     )
 
 
 class ModelRunner:
     def __init__(
-        self, files: ModelFiles, dtype: torch.dtype, cache: CacheConfig, swap: bool = False
+        self,
+        files: ModelFiles,
+        dtype: torch.dtype,
+        cache: CacheConfig,
+        swap: bool = False,
+        comm: Collectives | None = None,
     ) -> None:
         arch = files.arch
         keep_heap_memory()
         self.arch = arch
         self.dtype = dtype
         self.block_size = cache.block_size
+        self.comm = comm = comm or Collectives.single()
+        layout = comm.layout
         self.backend = TorchAttentionBackend(
-            arch.num_heads,
-            arch.num_kv_heads,
+            layout.split(arch.num_heads, "the number of attention heads").count,
+            layout.kv_heads(arch.num_kv_heads).count,
             arch.head_dim,
             cache.block_size,
             dtype,
             decode_kernel=load_paged_decode_kernel(),
         )
-        self.model = load_model(files, dtype, self.backend)
-        self.num_blocks = num_blocks_for(arch, cache, dtype)
-        self.kv_caches = self.backend.allocate_cache(arch.num_layers, self.num_blocks)
-        self.num_host_blocks = num_host_blocks_for(arch, cache, dtype) if swap else 0
-        self.host_caches = self.backend.allocate_cache(arch.num_layers, self.num_host_blocks)
+        self.model = load_model(files, dtype, self.backend, comm)
+        layers = layout.layers(arch.num_layers).count
+        self.num_blocks = num_blocks_for(arch, cache, dtype, comm)
+        self.kv_caches = self.backend.allocate_cache(layers, self.num_blocks)
+        self.num_host_blocks = num_host_blocks_for(arch, cache, dtype, comm) if swap else 0
+        self.host_caches = self.backend.allocate_cache(layers, self.num_host_blocks)
         """Separate host tensors for swapped-out KV (pinned host memory once on a GPU)."""
         self.sampler = Sampler()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """What this rank holds: its weights and its KV cache, in bytes."""
+        weights = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
+        kv = sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer)
+        return {"weights": sum(weights.values()), "kv_cache": kv}
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.sampler.forget(sched.finished_request_ids)
@@ -84,12 +116,9 @@ class ModelRunner:
             return RunnerOutput({})
         inputs = prepare_inputs(sched.scheduled, self.backend.is_row_wise)
         with torch.inference_mode():
-            meta = self.backend.build_metadata(inputs.layouts, self.num_blocks)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
-            if not inputs.sample_rows:
+            logits = self._logits(inputs)
+            if logits is None:
                 return RunnerOutput({})
-            rows = torch.tensor(inputs.sample_rows, dtype=torch.long)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
             result = self.sampler.sample(logits, inputs.sample_reqs)
         sampled = {
             r.request_id: t for r, t in zip(inputs.sample_reqs, result.token_ids, strict=True)
@@ -100,6 +129,35 @@ class ModelRunner:
             if lp is not None
         }
         return RunnerOutput(sampled, logprobs)
+
+    def _logits(self, inputs: StepInputs) -> torch.Tensor | None:
+        """This rank's part of the forward; the logits of the sampled rows on rank 0, None on
+        the other ranks (and when nothing samples)."""
+        layout, comm = self.comm.layout, self.comm
+        meta = self.backend.build_metadata(inputs.layouts, self.num_blocks)
+        received = None
+        if not layout.is_first_stage:
+            shape = (len(inputs.input_ids), self.arch.hidden_size)
+            received = comm.recv(shape, self.dtype, layout.peer_in_stage(layout.stage - 1))
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, received)
+        sampled_rows = len(inputs.sample_rows)
+        last_stage_first_rank = layout.stage_ranks(layout.pp_size - 1)[0]
+        if not layout.is_last_stage:
+            comm.send(hidden, layout.peer_in_stage(layout.stage + 1))
+            if layout.rank != 0 or not sampled_rows:
+                return None
+            return comm.recv(
+                (sampled_rows, self.arch.vocab_size), self.dtype, last_stage_first_rank
+            )
+        if not sampled_rows:
+            return None
+        rows = torch.tensor(inputs.sample_rows, dtype=torch.long)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # TP ranks gather
+        if layout.rank == 0:
+            return logits
+        if layout.rank == last_stage_first_rank:
+            comm.send(logits, 0)
+        return None
 
 
 def copy_blocks(

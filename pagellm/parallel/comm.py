@@ -1,0 +1,101 @@
+"""The process groups of one replica and the collectives its ranks use, every one bounded by a
+timeout so that a dead or stuck rank surfaces as an error instead of a hang.
+
+Groups are built from a TCP store on loopback held by rank 0, without torch.distributed's
+global default group (several replicas or test engines may live in one process). CPU ranks use
+gloo. A GPU build would make the same groups with NCCL; pagellm's runner is CPU-only today, so
+that path is not built here.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pagellm.parallel.layout import RankLayout
+
+LOOPBACK = "127.0.0.1"
+
+
+class RankFailed(RuntimeError):
+    """A collective failed or timed out: another rank died, raised, or hangs."""
+
+
+def open_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free loopback port (``store.port`` for the workers)."""
+    return dist.TCPStore(
+        LOOPBACK, 0, world_size, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+
+
+def join_store(port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(LOOPBACK, port, world_size, False, datetime.timedelta(seconds=timeout_s))
+
+
+def _gloo(store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float):
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
+
+
+class Collectives:
+    """What one rank can say to the others inside a step: all-reduce and all-gather within its
+    TP group, and activations to and from its peers in other stages. (The step itself reaches
+    the workers through a pipe, which may wait forever: an idle replica is not a failure.)"""
+
+    def __init__(self, layout: RankLayout, store: dist.Store | None, timeout_s: float) -> None:
+        self.layout = layout
+        self.timeout_s = timeout_s
+        self.store = store  # kept alive as long as the groups made from it
+        self.world = None
+        self.tp = None
+        if layout.world_size > 1:
+            self.world = _gloo(store, "world", layout.rank, layout.world_size, timeout_s)
+        if layout.tp_size > 1:
+            prefix = f"tp{layout.stage}"
+            self.tp = _gloo(store, prefix, layout.tp_rank, layout.tp_size, timeout_s)
+
+    @classmethod
+    def single(cls) -> Collectives:
+        return cls(RankLayout(), None, 0.0)
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise RankFailed(f"{what} failed (rank {self.layout.rank}): {exc}") from exc
+
+    # ----- tensor parallel ------------------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the TP group, in place (bf16 is summed in float32 and cast back)."""
+        if self.tp is None:
+            return x
+        wide = x.float() if x.dtype == torch.bfloat16 else x
+        self._wait(self.tp.allreduce([wide]), "all-reduce")
+        if wide is not x:
+            x.copy_(wide)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate the TP group's tensors along the last dimension, in rank order."""
+        if self.tp is None:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.layout.tp_size)]
+        self._wait(self.tp.allgather([parts], [x]), "all-gather")
+        return torch.cat(parts, dim=-1)
+
+    # ----- the pipeline ------------------------------------------------------------------
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        self._wait(self.world.send([x.contiguous()], dst, 0), f"send to rank {dst}")
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype)
+        self._wait(self.world.recv([out], src, 0), f"receive from rank {src}")
+        return out

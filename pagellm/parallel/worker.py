@@ -1,0 +1,90 @@
+"""A worker rank's process: build this rank's part of the model and KV cache, report what it
+holds, then run every step rank 0 sends down the pipe until told to stop (``None``) or until
+rank 0 goes away (the pipe closes). A failure is reported up the pipe before the process exits,
+so rank 0 can say which rank failed and why."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import pickle
+import sys
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from pagellm.config import CacheConfig
+from pagellm.parallel.layout import RankLayout
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    layout: RankLayout
+    store_port: int
+    model_source: str
+    dtype: str
+    cache: CacheConfig
+    swap: bool
+    timeout_s: float
+    threads: int
+    worker_cls: str = "auto"
+    sys_path: tuple[str, ...] = ()
+    """Extra import paths (a worker_cls outside the package)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReport:
+    rank: int
+    num_blocks: int
+    num_host_blocks: int
+    memory: dict[str, int]
+
+
+def runner_class(name: str) -> type:
+    if name == "auto":
+        from pagellm.runner.model_runner import ModelRunner
+
+        return ModelRunner
+    module, _, cls = name.partition(":")
+    if not cls:
+        raise ValueError(f"worker_cls takes module:Class, got {name!r}")
+    return getattr(importlib.import_module(module), cls)
+
+
+def run_worker(spec: WorkerSpec, conn: Connection) -> None:
+    sys.path[:0] = list(spec.sys_path)
+    try:
+        runner = _build(spec)
+        conn.send_bytes(pickle.dumps(_report(spec.layout.rank, runner)))
+        while True:
+            try:
+                step = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                return  # rank 0 is gone
+            if step is None:
+                return
+            runner.execute(step)
+    except BaseException as exc:  # noqa: BLE001 - rank 0 must learn why this rank stopped
+        message = f"rank {spec.layout.rank}: {exc!r}\n{traceback.format_exc(limit=4)}"
+        with contextlib.suppress(OSError):
+            conn.send_bytes(pickle.dumps(RuntimeError(message)))
+        raise SystemExit(1) from exc
+
+
+def _build(spec: WorkerSpec):
+    import torch
+
+    from pagellm.parallel.comm import Collectives, join_store
+    from pagellm.runner.loader import open_model, resolve_dtype
+
+    torch.set_num_threads(spec.threads)
+    store = join_store(spec.store_port, spec.layout.world_size, spec.timeout_s)
+    comm = Collectives(spec.layout, store, spec.timeout_s)
+    files = open_model(Path(spec.model_source))
+    cls = runner_class(spec.worker_cls)
+    return cls(files, resolve_dtype(spec.dtype), spec.cache, spec.swap, comm)
+
+
+def _report(rank: int, runner) -> WorkerReport:
+    return WorkerReport(rank, runner.num_blocks, runner.num_host_blocks, runner.memory_bytes())
