@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# Pin torch first: a loose requirement could pull a multi-GB CUDA build.
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,cluster]"
 	touch $(STAMP)
 
 fetch-model: $(STAMP)

@@ -195,6 +195,61 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    import json
+
+    from pagellm.cluster.config import ClusterConfigError, load_cluster_config
+
+    try:
+        cfg = load_cluster_config(args.config)
+    except ClusterConfigError as exc:
+        raise SystemExit(f"pagellm cluster: {exc}") from exc
+    if args.action == "up" and args.dry_run:
+        print(json.dumps(cfg.plan(), indent=2))
+        return 0
+    from pagellm.cluster import api
+
+    try:
+        if args.action == "status":
+            print(json.dumps(api.status(args.config), indent=2))
+        elif args.action == "down":
+            api.down(args.config)
+            print(f"cluster {cfg.ray.name!r} is down")
+        else:
+            print(f"gateway: {api.up(args.config)}", flush=True)
+            if cfg.ray.address is None:  # Ray lives in this process: stay up until a signal
+                _wait_for_signal()
+                _down_then_stop_ray(args.config)
+    except api.ClusterError as exc:
+        raise SystemExit(f"pagellm cluster: {exc}") from exc
+    return 0
+
+
+def _down_then_stop_ray(config: str, timeout: float = 60.0) -> None:
+    """Stop the cluster (bounded: a terminal's Ctrl-C may have reached Ray's own processes
+    too), then the Ray this process started, which ends whatever is left."""
+    import threading
+
+    import ray
+
+    from pagellm.cluster import api
+
+    stopper = threading.Thread(target=api.down, args=(config,), daemon=True)
+    stopper.start()
+    stopper.join(timeout)
+    ray.shutdown()
+
+
+def _wait_for_signal() -> None:
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagellm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -274,6 +329,13 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--log-level", default="info")
     gw.add_argument("--shutdown-timeout", type=float, default=30.0)
     gw.set_defaults(func=_cmd_gateway)
+
+    cl = sub.add_parser("cluster", help="replicas on Ray behind the gateway")
+    cl.add_argument("action", choices=["up", "status", "down"])
+    cl.add_argument("--config", required=True, help="cluster YAML (deployment_config, "
+                    "engine_args, ray_config, gateway)")  # fmt: skip
+    cl.add_argument("--dry-run", action="store_true", help="up: print the resolved plan only")
+    cl.set_defaults(func=_cmd_cluster)
 
     bench = sub.add_parser("bench", help="benchmarks that write JSON and print a table")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

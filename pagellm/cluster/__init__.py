@@ -1,0 +1,1 @@
+"""Replicas on Ray: the cluster file, the controller actor, the replica actor, autoscaling."""

@@ -1,0 +1,244 @@
+"""The cluster file: one YAML in the shape operators write for vLLM on Ray, read and checked
+whole (an unknown key is an error that names it), and the plan it resolves to.
+
+    deployment_config: {model: PATH, served_model_name: NAME}
+    engine_args: {tensor_parallel_size: 1, max_num_seqs: 64, ...}   # pagellm's engine settings
+    ray_config: {address: auto, num_replicas: 2, min_replicas: 1, max_replicas: 4,
+                 resources_per_replica: {CPU: 1}, max_restarts: 3, ...}
+    gateway: {host: 127.0.0.1, port: 8080, routing: least-load, keys: [...], overload: {...}}
+
+No torch and no ray here: ``pagellm cluster up --dry-run`` works anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pagellm.config import EngineConfig, flat_fields
+
+# vLLM engine arguments pagellm accepts only at the values that mean "nothing special".
+_VLLM_ONLY = {
+    "quantization": (None,),
+    "kv_cache_dtype": ("auto", None),
+    "gpu_memory_utilization": None,  # any value: noted in the plan, not used on CPU
+    "trust_remote_code": (False, None),
+}
+
+
+class ClusterConfigError(ValueError):
+    """The cluster file cannot be used; the message names the section and key."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentConfig:
+    model: str | None = None
+    """HF directory or .gguf file, the same path on every node; none: the default model."""
+    served_model_name: str | None = None
+    replica_host: str = "127.0.0.1"
+    """Address a replica's server binds and is reached at (its node's address in a real
+    multi-machine cluster)."""
+    api_key: str | None = None
+    """Key the replicas require (the gateway sends it); none: replicas are open."""
+
+
+@dataclass(frozen=True, slots=True)
+class RayConfig:
+    address: str | None = None
+    """Ray cluster to join ('auto': the one this machine belongs to); none: start one here."""
+    node_ip_address: str | None = None
+    """This machine's address in the Ray cluster (127.0.0.1 for one on loopback); none: Ray
+    finds it (and a Ray started here binds 127.0.0.1)."""
+    namespace: str = "pagellm"
+    name: str = "pagellm"
+    """Name of the detached controller actor (one cluster per name)."""
+    num_replicas: int = 1
+    min_replicas: int | None = None
+    """Fewest replicas the autoscaler keeps (default: num_replicas)."""
+    max_replicas: int | None = None
+    """Most replicas the autoscaler adds (default: num_replicas)."""
+    resources_per_replica: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    """Ray resources one replica reserves (CPU, GPU, or custom ones), split over its ranks."""
+    placement_strategy: str = "STRICT_PACK"
+    """How a replica's rank bundles are placed (pagellm's ranks talk over loopback, so they
+    must share a node)."""
+    max_restarts: int = 3
+    """Times Ray restarts a replica's actor that died."""
+    health_interval: float = 2.0
+    """Seconds between the controller's looks at the replicas (and the autoscaler's)."""
+    upscale_queue_depth: float = 4.0
+    """Waiting requests per replica above which one more replica is started..."""
+    upscale_delay: float = 5.0
+    """... once it has lasted this many seconds."""
+    downscale_delay: float = 30.0
+    """Seconds without any request before a replica above min_replicas is stopped."""
+    start_timeout: float = 300.0
+    """Seconds a replica may take to load and answer before it counts as failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    routing: str = "least-load"
+    max_attempts: int = 2
+    health_interval: float = 2.0
+    breaker_failures: int = 3
+    breaker_reset: float = 5.0
+    keys: list[dict[str, Any]] = field(default_factory=list)
+    overload: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    deployment: DeploymentConfig
+    engine_args: dict[str, Any]
+    ray: RayConfig
+    gateway: GatewayConfig
+    notes: tuple[str, ...] = ()
+    """What the plan accepted but does not use (vLLM-only arguments)."""
+
+    @property
+    def world_size(self) -> int:
+        args = self.engine_args
+        return int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1))
+
+    @property
+    def min_replicas(self) -> int:
+        return self.ray.min_replicas if self.ray.min_replicas is not None else self.ray.num_replicas
+
+    @property
+    def max_replicas(self) -> int:
+        return self.ray.max_replicas if self.ray.max_replicas is not None else self.ray.num_replicas
+
+    def bundles(self) -> list[dict[str, float]]:
+        """One placement-group bundle per rank; the replica's resources split evenly."""
+        n = self.world_size
+        return [{k: v / n for k, v in self.ray.resources_per_replica.items()} for _ in range(n)]
+
+    def plan(self) -> dict[str, Any]:
+        """What ``cluster up`` will do, as plain data (``--dry-run`` prints it)."""
+        return {
+            "ray": {"address": self.ray.address or "(start a local Ray)",
+                    "namespace": self.ray.namespace, "controller": self.ray.name},
+            "model": self.deployment.model or "(default SmolLM2-135M-Instruct)",
+            "served_model_name": self.deployment.served_model_name,
+            "replicas": {"initial": self.ray.num_replicas, "min": self.min_replicas,
+                         "max": self.max_replicas, "max_restarts": self.ray.max_restarts},
+            "per_replica": {"ranks": self.world_size, "resources": self.ray.resources_per_replica,
+                            "placement_group": {"strategy": self.ray.placement_strategy,
+                                                "bundles": self.bundles()}},
+            "engine_args": dataclasses.asdict(EngineConfig.from_flat(**self.engine_args)),
+            "autoscaling": {"upscale_queue_depth": self.ray.upscale_queue_depth,
+                            "upscale_delay_s": self.ray.upscale_delay,
+                            "downscale_delay_s": self.ray.downscale_delay},
+            "gateway": {"url": f"http://{self.gateway.host}:{self.gateway.port}",
+                        "routing": self.gateway.routing, "keys": len(self.gateway.keys),
+                        "overload": self.gateway.overload},
+            "notes": list(self.notes),
+        }  # fmt: skip
+
+
+def load_cluster_config(path: str | Path) -> ClusterConfig:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ClusterConfigError(f"{path}: {exc}") from exc
+    return parse_cluster_config(data, str(path))
+
+
+def parse_cluster_config(data: Any, where: str = "cluster config") -> ClusterConfig:
+    if not isinstance(data, dict):
+        raise ClusterConfigError(f"{where}: expected a mapping at the top")
+    sections = {"deployment_config", "engine_args", "ray_config", "gateway"}
+    unknown = sorted(set(data) - sections)
+    if unknown:
+        raise ClusterConfigError(f"{where}: unknown section {unknown[0]!r}")
+    engine_args, notes = _engine_args(data.get("engine_args") or {}, where)
+    config = ClusterConfig(
+        deployment=_section(
+            DeploymentConfig, data.get("deployment_config"), where, "deployment_config"
+        ),
+        engine_args=engine_args,
+        ray=_section(RayConfig, data.get("ray_config"), where, "ray_config"),
+        gateway=_section(GatewayConfig, data.get("gateway"), where, "gateway"),
+        notes=tuple(notes),
+    )
+    _check(config, where)
+    return config
+
+
+def _section(cls: type, values: Any, where: str, name: str) -> Any:
+    values = values or {}
+    if not isinstance(values, dict):
+        raise ClusterConfigError(f"{where}: {name} must be a mapping")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in values.items():
+        if key not in known:
+            raise ClusterConfigError(f"{where}: {name}: unknown key {key!r}")
+        _check_type(value, known[key], f"{where}: {name}.{key}")
+    return cls(**values)
+
+
+def _check_type(value: Any, f: dataclasses.Field, where: str) -> None:
+    if value is None:
+        return
+    kind = str(f.type)
+    expected: tuple[type, ...]
+    if kind.startswith("int"):
+        expected = (int,)
+    elif kind.startswith("float"):
+        expected = (int, float)
+    elif kind.startswith("str"):
+        expected = (str,)
+    elif kind.startswith("dict"):
+        expected = (dict,)
+    elif kind.startswith("list"):
+        expected = (list,)
+    else:
+        return
+    if isinstance(value, bool) or not isinstance(value, expected):
+        raise ClusterConfigError(f"{where}: expected {kind}, got {value!r}")
+
+
+def _engine_args(values: Any, where: str) -> tuple[dict[str, Any], list[str]]:
+    if not isinstance(values, dict):
+        raise ClusterConfigError(f"{where}: engine_args must be a mapping")
+    fields_by_name = dict(flat_fields())
+    args, notes = {}, []
+    for key, value in values.items():
+        if key in ("model", "served_model_name"):
+            raise ClusterConfigError(f"{where}: engine_args.{key}: give it in deployment_config")
+        if key in _VLLM_ONLY:
+            allowed = _VLLM_ONLY[key]
+            if allowed is not None and value not in allowed:
+                raise ClusterConfigError(
+                    f"{where}: engine_args.{key}={value!r} is not supported by pagellm"
+                )
+            notes.append(f"engine_args.{key}={value!r} accepted and not used (CPU replicas)")
+            continue
+        if key not in fields_by_name:
+            raise ClusterConfigError(f"{where}: engine_args: unknown key {key!r}")
+        _check_type(value, fields_by_name[key], f"{where}: engine_args.{key}")
+        args[key] = value
+    return args, notes
+
+
+def _check(config: ClusterConfig, where: str) -> None:
+    r = config.ray
+    if not 1 <= config.min_replicas <= r.num_replicas <= config.max_replicas:
+        raise ClusterConfigError(
+            f"{where}: ray_config: need 1 <= min_replicas <= num_replicas <= max_replicas"
+        )
+    if r.placement_strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
+        raise ClusterConfigError(
+            f"{where}: ray_config.placement_strategy {r.placement_strategy!r} is not a Ray strategy"
+        )
+    from pagellm.gateway.routing import ROUTING_POLICIES
+
+    if config.gateway.routing not in ROUTING_POLICIES:
+        raise ClusterConfigError(f"{where}: gateway.routing must be one of {ROUTING_POLICIES}")

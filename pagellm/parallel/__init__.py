@@ -1,0 +1,1 @@
+"""Tensor and pipeline parallelism: rank layout, collectives, worker ranks, the executor."""

@@ -1,0 +1,134 @@
+"""`pagellm cluster` on a two-node Ray cluster simulated on this machine (ray.cluster_utils:
+two raylets on loopback, each with one replica slot): the controller starts one replica, scales
+up to a second on the other node under a queue burst, a replica's process killed under load is
+restarted by Ray while the gateway routes around it (every request completes or ends with a
+clean error), the idle cluster scales back down, and `down` stops everything."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+import yaml
+from server_helpers import free_port, stream_outcome, wait_until
+
+# Ray maps 127.0.0.1 to the machine's outward address unless this marks the cluster as one
+# machine; set before Ray is imported, and inherited by its processes: all traffic on loopback.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from ray.cluster_utils import Cluster
+
+    store = 80 * 1024 * 1024
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "resources": {"replica_slot": 1},
+                        "object_store_memory": store, "include_dashboard": False,
+                        "node_ip_address": "127.0.0.1"},
+    )  # fmt: skip
+    cluster.add_node(num_cpus=2, resources={"replica_slot": 1}, object_store_memory=store,
+                     node_ip_address="127.0.0.1")  # fmt: skip
+    ray.init(address=cluster.address, namespace="pagellm-test", log_to_driver=False,
+             _node_ip_address="127.0.0.1")  # fmt: skip
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _config(model, port: int) -> dict:
+    return {
+        "deployment_config": {"model": str(model), "served_model_name": "tiny"},
+        "engine_args": {"dtype": "float32", "max_model_len": 512, "kv_cache_memory": 0.02,
+                        "max_num_seqs": 2},  # few seats, so a burst queues
+        "ray_config": {"namespace": "pagellm-test", "name": "test-cluster", "num_replicas": 1,
+                       "node_ip_address": "127.0.0.1",
+                       "min_replicas": 1, "max_replicas": 2, "max_restarts": 3,
+                       "resources_per_replica": {"CPU": 1, "replica_slot": 1},
+                       "health_interval": 0.3, "upscale_queue_depth": 2, "upscale_delay": 0.3,
+                       "downscale_delay": 6},
+        "gateway": {"port": port, "routing": "least-load", "health_interval": 0.5,
+                    "breaker_failures": 1, "breaker_reset": 1, "max_attempts": 3},
+    }  # fmt: skip
+
+
+def _up(status: dict) -> list[dict]:
+    return [r for r in status["replicas"] if r["state"] == "up"]
+
+
+def test_cluster_up_scale_restart_and_down(ray_cluster, tiny_models, tmp_path):
+    from pagellm.cluster import api
+
+    config = _config(tiny_models("llama"), free_port())
+    gateway = api.up(config)
+    try:
+        assert len(_up(api.status(config))) == 1
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 48, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            burst = [pool.submit(stream_outcome, gateway, body) for _ in range(24)]
+            wait_until(lambda: len(_up(api.status(config))) == 2, timeout=120, what="scale-up")
+            assert [f.result() for f in burst] == ["done"] * 24
+        nodes = {r["node"] for r in _up(api.status(config))}
+        assert len(nodes) == 2  # one replica slot per node: the second went to the other node
+
+        long = {**body, "max_tokens": 200}
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            streams = [pool.submit(stream_outcome, gateway, long) for _ in range(12)]
+            victim = _up(api.status(config))[0]
+            wait_until(lambda: _load(config, victim["name"])["running"] > 0, what="busy victim")
+            os.kill(int(_load(config, victim["name"])["pid"]), signal.SIGKILL)  # a crash
+            outcomes = [f.result() for f in streams]
+        assert set(outcomes) <= {"done", "error"}, outcomes  # never a silent cut
+        assert "done" in outcomes
+        for _ in range(4):  # meanwhile the gateway serves from what is up
+            r = httpx.post(f"{gateway}/v1/completions", json={"model": "tiny", "prompt": "x",
+                           "max_tokens": 2}, timeout=60)  # fmt: skip
+            assert r.status_code == 200, r.text
+
+        def restarted() -> bool:
+            rows = {r["name"]: r for r in api.status(config)["replicas"]}
+            row = rows.get(victim["name"])
+            return row is not None and row["state"] == "up" and row["restarts"] == 1
+
+        wait_until(restarted, timeout=120, what="Ray to restart the replica")
+        assert len(_up(api.status(config))) == 2
+        wait_until(lambda: len(api.status(config)["replicas"]) == 1, timeout=60,
+                   what="scale-down when idle")  # fmt: skip
+        events = "\n".join(api.status(config)["events"])
+        assert "scale up" in events and "restarted by Ray" in events and "scale down" in events
+        # the command line, joining the running Ray cluster by its address
+        file = tmp_path / "cluster.yaml"
+        on_cluster = {**config, "ray_config": {**config["ray_config"],
+                                               "address": ray_cluster.address}}  # fmt: skip
+        file.write_text(yaml.safe_dump(on_cluster))
+        cli = [sys.executable, "-m", "pagellm.cli", "cluster"]
+        shown = subprocess.run([*cli, "status", "--config", str(file)], capture_output=True,
+                               text=True, timeout=120, check=True)  # fmt: skip
+        assert json.loads(shown.stdout)["gateway"] == gateway
+        subprocess.run([*cli, "down", "--config", str(file)], timeout=180, check=True)
+    finally:
+        with contextlib.suppress(api.ClusterError):
+            api.down(config)
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{gateway}/health", timeout=2)
+    with pytest.raises(api.ClusterError):
+        api.status(config)
+
+
+def _load(config: dict, name: str) -> dict:
+    from pagellm.cluster import api
+
+    rows = {r["name"]: r for r in api.status(config)["replicas"]}
+    return rows[name]["load"]

@@ -1,0 +1,106 @@
+"""The cluster file and the autoscaler's rule (no Ray, injected clock)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pagellm.cluster.autoscale import Autoscaler, Load
+from pagellm.cluster.config import ClusterConfigError, parse_cluster_config
+
+GOOD = {
+    "deployment_config": {"model": "/models/x", "served_model_name": "x"},
+    "engine_args": {"tensor_parallel_size": 2, "max_num_seqs": 64, "block_size": 16,
+                    "enable_chunked_prefill": True, "max_num_batched_tokens": 1024,
+                    "max_model_len": 2048, "gpu_memory_utilization": 0.9,
+                    "kv_cache_dtype": "auto"},
+    "ray_config": {"address": "auto", "num_replicas": 2, "min_replicas": 1, "max_replicas": 4,
+                   "resources_per_replica": {"CPU": 4, "node_b": 1}},
+    "gateway": {"port": 9000, "routing": "prefix-affinity",
+                "keys": [{"name": "a", "key_sha256": "00"}], "overload": {"max_load": 8}},
+}  # fmt: skip
+
+
+def test_the_plan_of_a_good_file():
+    plan = parse_cluster_config(GOOD).plan()
+    assert plan["replicas"] == {"initial": 2, "min": 1, "max": 4, "max_restarts": 3}
+    assert plan["per_replica"]["ranks"] == 2
+    bundles = plan["per_replica"]["placement_group"]["bundles"]
+    assert bundles == [{"CPU": 2.0, "node_b": 0.5}] * 2  # the replica's resources per rank
+    assert plan["engine_args"]["parallel"]["tensor_parallel_size"] == 2
+    assert plan["engine_args"]["scheduler"]["max_num_seqs"] == 64
+    assert plan["gateway"]["url"] == "http://127.0.0.1:9000"
+    assert any("gpu_memory_utilization" in note for note in plan["notes"])
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"replicas": 2}, "'replicas'"),
+        ({"engine_args": {"max_num_seq": 64}}, "'max_num_seq'"),
+        ({"engine_args": {"max_num_seqs": "many"}}, "engine_args.max_num_seqs"),
+        ({"engine_args": {"quantization": "awq"}}, "quantization"),
+        ({"engine_args": {"model": "/m"}}, "deployment_config"),
+        ({"ray_config": {"num_replica": 2}}, "'num_replica'"),
+        ({"ray_config": {"num_replicas": 3, "max_replicas": 2}}, "max_replicas"),
+        ({"ray_config": {"placement_strategy": "TIGHT"}}, "placement_strategy"),
+        ({"gateway": {"routing": "random"}}, "routing"),
+        ({"gateway": {"prot": 1}}, "'prot'"),
+        ({"deployment_config": {"served_name": "x"}}, "'served_name'"),
+    ],
+)
+def test_bad_files_name_the_key(change, named):
+    with pytest.raises(ClusterConfigError, match=named):
+        parse_cluster_config({**GOOD, **change})
+
+
+def test_cluster_up_dry_run_prints_the_plan(tmp_path):
+    import yaml
+
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(yaml.safe_dump(GOOD))
+    cmd = [sys.executable, "-m", "pagellm.cli", "cluster", "up", "--config", str(cfg), "--dry-run"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=60)
+    assert json.loads(out.stdout)["replicas"]["max"] == 4
+    cfg.write_text(yaml.safe_dump({**GOOD, "ray_config": {"nodes": 2}}))
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "'nodes'" in bad.stderr
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_autoscaler_adds_after_a_sustained_queue_and_removes_when_idle():
+    clock = Clock()
+    scaler = Autoscaler(1, 3, queue_depth=4, upscale_delay=5, downscale_delay=30, clock=clock)
+    assert scaler.desired(Load(1, waiting=10, running=2)) == 1  # busy, not for long yet
+    clock.now = 4
+    assert scaler.desired(Load(1, waiting=10, running=2)) == 1
+    clock.now = 5
+    assert scaler.desired(Load(1, waiting=10, running=2)) == 2
+    clock.now = 6  # one step at a time: the next needs a full delay again
+    assert scaler.desired(Load(2, waiting=10, running=4)) == 2
+    clock.now = 8
+    assert scaler.desired(Load(2, waiting=6, running=4)) == 2  # 3 per replica: not busy
+    clock.now = 20
+    assert scaler.desired(Load(2, waiting=20, running=4)) == 2  # busy again from t=20
+    clock.now = 25
+    assert scaler.desired(Load(2, waiting=20, running=4)) == 3
+    clock.now = 40
+    assert scaler.desired(Load(3, waiting=50, running=6)) == 3  # at max_replicas
+    assert scaler.desired(Load(3, waiting=0, running=0)) == 3  # idle from t=40
+    clock.now = 69
+    assert scaler.desired(Load(3, waiting=0, running=1)) == 3  # a request: idleness restarts
+    clock.now = 70
+    assert scaler.desired(Load(3, waiting=0, running=0)) == 3
+    clock.now = 100
+    assert scaler.desired(Load(3, waiting=0, running=0)) == 2
+    assert scaler.desired(Load(0, waiting=0, running=0)) == 1  # below min: back to min
