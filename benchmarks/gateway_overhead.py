@@ -15,20 +15,21 @@ import os
 import sys
 from pathlib import Path
 
-from serve_side_by_side import PAGELLM, bench_serve, free_port, server
+from serve_side_by_side import (
+    PAGELLM,
+    add_gateway_bench_args,
+    bench_serve,
+    free_port,
+    replica_cmd,
+    server,
+)
 
 from pagellm.bench.report import format_table
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--workload", required=True)
-    p.add_argument("--num-prompts", type=int, default=96)
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--output-dir", default="results/gateway")
-    p.add_argument("--request-rate", default=None)
+    add_gateway_bench_args(p, "results/gateway")
     return p.parse_args()
 
 
@@ -38,13 +39,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     rport, gport = free_port(), free_port()
-    replica_cmd = [
-        *PAGELLM, "serve", "--port", str(rport), "--dtype", args.dtype,
-        "--max-model-len", str(args.max_model_len), "--log-level", "warning",
-        "--no-enable-prefix-caching",  # the runs repeat one workload: no run may reuse another's KV
-    ]  # fmt: skip
     runs = []
-    with server(replica_cmd, rport, env, out / "replica.log") as replica:
+    with server(replica_cmd(args, rport), rport, env, out / "replica.log") as replica:
         gateway_cmd = [
             *PAGELLM, "gateway", "--port", str(gport), "--backend", replica,
             "--log-level", "warning",

@@ -17,30 +17,23 @@ import os
 import sys
 from pathlib import Path
 
-from serve_side_by_side import PAGELLM, bench_serve, free_port, server
+from serve_side_by_side import (
+    PAGELLM,
+    add_gateway_bench_args,
+    bench_serve,
+    free_port,
+    replica_cmd,
+    server,
+)
 
 from pagellm.bench.report import format_table
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--workload", required=True)
-    p.add_argument("--num-prompts", type=int, default=96)
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--max-model-len", type=int, default=2048)
+    add_gateway_bench_args(p, "results/gateway_replicas")
     p.add_argument("--routing", default="least-load")
-    p.add_argument("--output-dir", default="results/gateway_replicas")
-    p.add_argument("--request-rate", default=None)
     return p.parse_args()
-
-
-def _replica_cmd(args: argparse.Namespace, port: int) -> list[str]:
-    return [
-        *PAGELLM, "serve", "--port", str(port), "--dtype", args.dtype,
-        "--max-model-len", str(args.max_model_len), "--log-level", "warning",
-        "--no-enable-prefix-caching",  # the runs repeat one workload: no run may reuse another's KV
-    ]  # fmt: skip
 
 
 def run_layout(args: argparse.Namespace, out: Path, replicas: int, label: str) -> dict:
@@ -53,7 +46,7 @@ def run_layout(args: argparse.Namespace, out: Path, replicas: int, label: str) -
         for i in range(replicas):
             port = free_port()
             log = out / f"{label.split()[0]}_replica{i}.log"
-            bases.append(stack.enter_context(server(_replica_cmd(args, port), port, env, log)))
+            bases.append(stack.enter_context(server(replica_cmd(args, port), port, env, log)))
         gport = free_port()
         gateway_cmd = [*PAGELLM, "gateway", "--port", str(gport), "--routing", args.routing,
                        "--log-level", "warning"]  # fmt: skip

@@ -89,6 +89,27 @@ def server(cmd: list[str], port: int, env: dict[str, str], log: Path) -> Iterato
                 proc.kill()
 
 
+def add_gateway_bench_args(p: argparse.ArgumentParser, output_dir: str) -> None:
+    """The flags the gateway benchmarks share (workload, load, the replicas' settings)."""
+    p.add_argument("--workload", required=True)
+    p.add_argument("--num-prompts", type=int, default=96)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--output-dir", default=output_dir)
+    p.add_argument("--request-rate", default=None)
+
+
+def replica_cmd(args: argparse.Namespace, port: int) -> list[str]:
+    """`pagellm serve` for a gateway benchmark's replica: without prefix caching, because the
+    runs repeat one workload and no run may reuse another's KV."""
+    return [
+        *PAGELLM, "serve", "--port", str(port), "--dtype", args.dtype,
+        "--max-model-len", str(args.max_model_len), "--log-level", "warning",
+        "--no-enable-prefix-caching",
+    ]  # fmt: skip
+
+
 def bench_serve(base: str, args: argparse.Namespace, out: Path, label: str) -> dict:
     cmd = [
         *PAGELLM, "bench", "serve", "--base-url", base, "--workload", args.workload,

@@ -80,6 +80,9 @@ class ParallelConfig:
     rank never makes it wait forever)."""
     worker_cls: str = "auto"
     """module:Class of the runner the other ranks build (auto: pagellm's ModelRunner)."""
+    distributed_executor_backend: str = "mp"
+    """mp (worker ranks spawned on this machine) or ray (Ray actors on the bundles of the
+    current placement group, possibly on other nodes; what `pagellm cluster` uses)."""
 
     @property
     def world_size(self) -> int:

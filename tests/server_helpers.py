@@ -61,12 +61,7 @@ def running_server(
         wait_healthy(proc, base)
         yield proc, base
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_server(proc)
 
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -132,3 +132,30 @@ def _load(config: dict, name: str) -> dict:
 
     rows = {r["name"]: r for r in api.status(config)["replicas"]}
     return rows[name]["load"]
+
+
+def test_a_tensor_parallel_replica_places_its_ranks_on_two_nodes(ray_cluster, tiny_models):
+    from pagellm import LLM, SamplingParams
+    from pagellm.cluster import api
+
+    model = tiny_models("llama")
+    config = _config(model, free_port())
+    config["engine_args"] = {**config["engine_args"], "tensor_parallel_size": 2}
+    config["ray_config"] = {**config["ray_config"], "name": "tp-cluster", "max_replicas": 1,
+                            "resources_per_replica": {"CPU": 2, "replica_slot": 2},
+                            "placement_strategy": "STRICT_SPREAD"}  # fmt: skip
+    prompt = "The quick brown fox"
+    with LLM(str(model), dtype="float32", max_model_len=512, kv_cache_memory=0.02) as one:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        expected = one.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    gateway = api.up(config)
+    try:
+        (replica,) = api.status(config)["replicas"]
+        assert len(set(replica["load"]["rank_nodes"])) == 2  # rank 0 and rank 1 on two nodes
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        r = httpx.post(f"{gateway}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected  # TP 2 across nodes == one process
+    finally:
+        api.down(config)

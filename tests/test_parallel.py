@@ -110,7 +110,7 @@ def test_tp3_on_the_default_model_equals_tp1():
 
 
 def _worker_pids(llm: LLM) -> list[int]:
-    return [proc.pid for proc, _ in llm.engine.executor.workers]
+    return llm.engine.executor.ranks.pids()
 
 
 def test_a_killed_worker_fails_the_step_and_the_engine_reports_it(tiny_models):

@@ -62,8 +62,9 @@ class RayConfig:
     resources_per_replica: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     """Ray resources one replica reserves (CPU, GPU, or custom ones), split over its ranks."""
     placement_strategy: str = "STRICT_PACK"
-    """How a replica's rank bundles are placed (pagellm's ranks talk over loopback, so they
-    must share a node)."""
+    """How a replica's rank bundles are placed: STRICT_PACK keeps its ranks on one node, PACK
+    or SPREAD may put them on several (the ranks are Ray actors talking gloo over the nodes'
+    addresses)."""
     max_restarts: int = 3
     """Times Ray restarts a replica's actor that died."""
     health_interval: float = 2.0
@@ -159,6 +160,11 @@ def parse_cluster_config(data: Any, where: str = "cluster config") -> ClusterCon
     if unknown:
         raise ClusterConfigError(f"{where}: unknown section {unknown[0]!r}")
     engine_args, notes = _engine_args(data.get("engine_args") or {}, where)
+    ranks = int(engine_args.get("tensor_parallel_size", 1)) * int(
+        engine_args.get("pipeline_parallel_size", 1)
+    )
+    if ranks > 1:  # a replica's ranks are Ray actors on its placement group, as in vLLM on Ray
+        engine_args.setdefault("distributed_executor_backend", "ray")
     config = ClusterConfig(
         deployment=_section(
             DeploymentConfig, data.get("deployment_config"), where, "deployment_config"

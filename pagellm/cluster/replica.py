@@ -61,6 +61,7 @@ class ReplicaServer:
             "running": float(stats.num_running),
             "healthy": float(self.front.is_healthy),
             "pid": float(os.getpid()),
+            "rank_nodes": [r.node for r in getattr(self.front.engine.executor, "reports", [])],
         }
 
     def stop(self) -> None:

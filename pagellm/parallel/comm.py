@@ -1,7 +1,8 @@
 """The process groups of one replica and the collectives its ranks use, every one bounded by a
 timeout so that a dead or stuck rank surfaces as an error instead of a hang.
 
-Groups are built from a TCP store on loopback held by rank 0, without torch.distributed's
+Groups are built from a TCP store held by rank 0 (on loopback, or on its node's address when
+the ranks are Ray actors that may sit on other nodes), without torch.distributed's
 global default group (several replicas or test engines may live in one process). CPU ranks use
 gloo. A GPU build would make the same groups with NCCL; pagellm's runner is CPU-only today, so
 that path is not built here.
@@ -24,21 +25,21 @@ class RankFailed(RuntimeError):
     """A collective failed or timed out: another rank died, raised, or hangs."""
 
 
-def open_store(world_size: int, timeout_s: float) -> dist.TCPStore:
-    """Rank 0's rendezvous store on a free loopback port (``store.port`` for the workers)."""
+def open_store(world_size: int, timeout_s: float, host: str = LOOPBACK) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free port of ``host`` (``store.port`` for the workers)."""
     return dist.TCPStore(
-        LOOPBACK, 0, world_size, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+        host, 0, world_size, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False
     )
 
 
-def join_store(port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
-    return dist.TCPStore(LOOPBACK, port, world_size, False, datetime.timedelta(seconds=timeout_s))
+def join_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(host, port, world_size, False, datetime.timedelta(seconds=timeout_s))
 
 
-def _gloo(store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float):
+def _gloo(store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float, host: str):
     options = dist.ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=timeout_s)
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
 
 
@@ -47,17 +48,23 @@ class Collectives:
     TP group, and activations to and from its peers in other stages. (The step itself reaches
     the workers through a pipe, which may wait forever: an idle replica is not a failure.)"""
 
-    def __init__(self, layout: RankLayout, store: dist.Store | None, timeout_s: float) -> None:
+    def __init__(
+        self,
+        layout: RankLayout,
+        store: dist.Store | None,
+        timeout_s: float,
+        host: str = LOOPBACK,
+    ) -> None:
         self.layout = layout
         self.timeout_s = timeout_s
         self.store = store  # kept alive as long as the groups made from it
         self.world = None
         self.tp = None
         if layout.world_size > 1:
-            self.world = _gloo(store, "world", layout.rank, layout.world_size, timeout_s)
+            self.world = _gloo(store, "world", layout.rank, layout.world_size, timeout_s, host)
         if layout.tp_size > 1:
             prefix = f"tp{layout.stage}"
-            self.tp = _gloo(store, prefix, layout.tp_rank, layout.tp_size, timeout_s)
+            self.tp = _gloo(store, prefix, layout.tp_rank, layout.tp_size, timeout_s, host)
 
     @classmethod
     def single(cls) -> Collectives:

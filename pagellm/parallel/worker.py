@@ -21,6 +21,8 @@ from pagellm.parallel.layout import RankLayout
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
     layout: RankLayout
+    store_host: str
+    """Rank 0's address (its rendezvous store)."""
     store_port: int
     model_source: str
     dtype: str
@@ -31,6 +33,8 @@ class WorkerSpec:
     worker_cls: str = "auto"
     sys_path: tuple[str, ...] = ()
     """Extra import paths (a worker_cls outside the package)."""
+    own_host: str = "127.0.0.1"
+    """The address this rank's gloo connections use (its node's address under Ray)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +43,8 @@ class WorkerReport:
     num_blocks: int
     num_host_blocks: int
     memory: dict[str, int]
+    node: str = "local"
+    """The Ray node the rank runs on (``local`` for a spawned process)."""
 
 
 def runner_class(name: str) -> type:
@@ -55,8 +61,8 @@ def runner_class(name: str) -> type:
 def run_worker(spec: WorkerSpec, conn: Connection) -> None:
     sys.path[:0] = list(spec.sys_path)
     try:
-        runner = _build(spec)
-        conn.send_bytes(pickle.dumps(_report(spec.layout.rank, runner)))
+        runner = build_runner(spec)
+        conn.send_bytes(pickle.dumps(report_of(spec.layout.rank, runner)))
         while True:
             try:
                 step = pickle.loads(conn.recv_bytes())
@@ -72,19 +78,22 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
         raise SystemExit(1) from exc
 
 
-def _build(spec: WorkerSpec):
+def build_runner(spec: WorkerSpec):
+    """This rank's runner: join the groups, load this rank's part of the model."""
     import torch
 
     from pagellm.parallel.comm import Collectives, join_store
     from pagellm.runner.loader import open_model, resolve_dtype
 
     torch.set_num_threads(spec.threads)
-    store = join_store(spec.store_port, spec.layout.world_size, spec.timeout_s)
-    comm = Collectives(spec.layout, store, spec.timeout_s)
+    store = join_store(spec.store_host, spec.store_port, spec.layout.world_size, spec.timeout_s)
+    comm = Collectives(spec.layout, store, spec.timeout_s, spec.own_host)
     files = open_model(Path(spec.model_source))
     cls = runner_class(spec.worker_cls)
     return cls(files, resolve_dtype(spec.dtype), spec.cache, spec.swap, comm)
 
 
-def _report(rank: int, runner) -> WorkerReport:
-    return WorkerReport(rank, runner.num_blocks, runner.num_host_blocks, runner.memory_bytes())
+def report_of(rank: int, runner, node: str = "local") -> WorkerReport:
+    return WorkerReport(
+        rank, runner.num_blocks, runner.num_host_blocks, runner.memory_bytes(), node
+    )
