@@ -75,6 +75,9 @@ class ParallelConfig:
     """Ranks that split each layer (heads, MLP columns, vocabulary), joined by all-reduces."""
     pipeline_parallel_size: int = 1
     """Stages that split the layers; activations pass from stage to stage."""
+    pipeline_microbatches: int = 0
+    """Micro-batches a step is split into under pipeline parallelism, so stages overlap
+    (0: as many as stages; 1: none)."""
     distributed_timeout: float = 60.0
     """Seconds any collective may take before the replica fails its requests (a dead or hung
     rank never makes it wait forever)."""

@@ -77,6 +77,26 @@ def test_parallel_greedy_equals_one_process(tiny_models, reference, arch, tp, pp
     assert len(reports) == tp * pp
 
 
+def test_pipeline_with_one_microbatch_per_step(tiny_models, reference):
+    out, _ = _greedy(tiny_models("llama"), pipeline_parallel_size=2, pipeline_microbatches=1)
+    assert out == reference["llama"]
+
+
+def test_microbatches_split_the_step_evenly_by_tokens():
+    from types import SimpleNamespace
+
+    from pagellm.runner.model_runner import split_batch
+
+    def seq(i: int, n: int) -> SimpleNamespace:  # what split_batch reads of a ScheduledRequest
+        return SimpleNamespace(request_id=str(i), num_tokens=n)
+
+    step = [seq(0, 30), seq(1, 1), seq(2, 1), seq(3, 1), seq(4, 27)]
+    groups = split_batch(step, 2)
+    assert [[s.request_id for s in g] for g in groups] == [["0"], ["1", "2", "3", "4"]]  # 30 + 30
+    assert split_batch(step, 1) == [step] and split_batch(step[:1], 4) == [step[:1]]
+    assert [len(g) for g in split_batch([seq(i, 1) for i in range(4)], 2)] == [2, 2]
+
+
 def test_each_rank_holds_its_share(tiny_models):
     model = tiny_models("qwen2")  # untied: every weight is split or per-stage
     with LLM(str(model), **ENGINE) as one:

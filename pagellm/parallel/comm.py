@@ -99,8 +99,14 @@ class Collectives:
 
     # ----- the pipeline ------------------------------------------------------------------
 
-    def send(self, x: torch.Tensor, dst: int) -> None:
-        self._wait(self.world.send([x.contiguous()], dst, 0), f"send to rank {dst}")
+    def isend(self, x: torch.Tensor, dst: int) -> tuple[Any, torch.Tensor, int]:
+        """Start sending ``x``; finish with ``wait_sends`` (which keeps ``x`` alive till then)."""
+        x = x.contiguous()
+        return self.world.send([x], dst, 0), x, dst
+
+    def wait_sends(self, sends: list[tuple[Any, torch.Tensor, int]]) -> None:
+        for work, _, dst in sends:
+            self._wait(work, f"send to rank {dst}")
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype)

@@ -42,12 +42,14 @@ class ParallelExecutor:
         on_ray = backend == "ray"
         host = _node_address() if on_ray else LOOPBACK
         threads = max(1, (os.cpu_count() or 1) // world)
+        microbatches = parallel.pipeline_microbatches or pp
         self.store = open_store(world, timeout, host)
         self.failed: BaseException | None = None
         specs = [
             WorkerSpec(
                 RankLayout(tp, pp, rank), host, self.store.port, str(files.path), dtype_name,
                 cache, swap, timeout, threads, parallel.worker_cls, tuple(sys.path),
+                microbatches=microbatches,
                 own_host=host,  # a Ray worker rank replaces it with its own node's address
             )
             for rank in range(1, world)
@@ -56,7 +58,7 @@ class ParallelExecutor:
         try:
             torch.set_num_threads(threads)  # rank 0 shares the cores with its workers
             comm = Collectives(RankLayout(tp, pp, 0), self.store, timeout, host)
-            self.runner = ModelRunner(files, dtype, cache, swap, comm)
+            self.runner = ModelRunner(files, dtype, cache, swap, comm, microbatches)
             own = WorkerReport(0, self.runner.num_blocks, self.runner.num_host_blocks,
                                self.runner.memory_bytes(), _node_id() if on_ray else "local")  # fmt: skip
             self.reports = [own, *self.ranks.reports()]

@@ -33,6 +33,7 @@ class WorkerSpec:
     worker_cls: str = "auto"
     sys_path: tuple[str, ...] = ()
     """Extra import paths (a worker_cls outside the package)."""
+    microbatches: int = 1
     own_host: str = "127.0.0.1"
     """The address this rank's gloo connections use (its node's address under Ray)."""
 
@@ -90,7 +91,7 @@ def build_runner(spec: WorkerSpec):
     comm = Collectives(spec.layout, store, spec.timeout_s, spec.own_host)
     files = open_model(Path(spec.model_source))
     cls = runner_class(spec.worker_cls)
-    return cls(files, resolve_dtype(spec.dtype), spec.cache, spec.swap, comm)
+    return cls(files, resolve_dtype(spec.dtype), spec.cache, spec.swap, comm, spec.microbatches)
 
 
 def report_of(rank: int, runner, node: str = "local") -> WorkerReport:

@@ -76,6 +76,7 @@ class ModelRunner:
         cache: CacheConfig,
         swap: bool = False,
         comm: Collectives | None = None,
+        microbatches: int = 1,
     ) -> None:
         arch = files.arch
         keep_heap_memory()
@@ -100,6 +101,9 @@ class ModelRunner:
         self.host_caches = self.backend.allocate_cache(layers, self.num_host_blocks)
         """Separate host tensors for swapped-out KV (pinned host memory once on a GPU)."""
         self.sampler = Sampler()
+        self.microbatches = microbatches if layout.pp_size > 1 else 1
+        """Micro-batches per step under pipeline parallelism (one stage per process works on
+        one while the next stage works on the one before)."""
 
     def memory_bytes(self) -> dict[str, int]:
         """What this rank holds: its weights and its KV cache, in bytes."""
@@ -114,50 +118,74 @@ class ModelRunner:
         copy_blocks(self.host_caches, self.kv_caches, sched.swap_in)
         if sched.is_empty:
             return RunnerOutput({})
-        inputs = prepare_inputs(sched.scheduled, self.backend.is_row_wise)
+        groups = split_batch(sched.scheduled, self.microbatches)
+        parts = [prepare_inputs(g, self.backend.is_row_wise) for g in groups]
+        sample_reqs = [r for part in parts for r in part.sample_reqs]
         with torch.inference_mode():
-            logits = self._logits(inputs)
+            logits = self._logits(parts)
             if logits is None:
                 return RunnerOutput({})
-            result = self.sampler.sample(logits, inputs.sample_reqs)
-        sampled = {
-            r.request_id: t for r, t in zip(inputs.sample_reqs, result.token_ids, strict=True)
-        }
+            result = self.sampler.sample(logits, sample_reqs)
+        sampled = {r.request_id: t for r, t in zip(sample_reqs, result.token_ids, strict=True)}
         logprobs = {
             r.request_id: lp
-            for r, lp in zip(inputs.sample_reqs, result.logprobs, strict=True)
+            for r, lp in zip(sample_reqs, result.logprobs, strict=True)
             if lp is not None
         }
         return RunnerOutput(sampled, logprobs)
 
-    def _logits(self, inputs: StepInputs) -> torch.Tensor | None:
-        """This rank's part of the forward; the logits of the sampled rows on rank 0, None on
-        the other ranks (and when nothing samples)."""
+    def _logits(self, parts: list[StepInputs]) -> torch.Tensor | None:
+        """This rank's part of the forward over the step's micro-batches; the logits of the
+        sampled rows (in micro-batch order) on rank 0, None on the other ranks and when nothing
+        samples. Sends do not wait until the step's end, so while a later stage works on one
+        micro-batch an earlier stage already computes the next."""
         layout, comm = self.comm.layout, self.comm
-        meta = self.backend.build_metadata(inputs.layouts, self.num_blocks)
-        received = None
-        if not layout.is_first_stage:
-            shape = (len(inputs.input_ids), self.arch.hidden_size)
-            received = comm.recv(shape, self.dtype, layout.peer_in_stage(layout.stage - 1))
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, received)
-        sampled_rows = len(inputs.sample_rows)
         last_stage_first_rank = layout.stage_ranks(layout.pp_size - 1)[0]
-        if not layout.is_last_stage:
-            comm.send(hidden, layout.peer_in_stage(layout.stage + 1))
-            if layout.rank != 0 or not sampled_rows:
-                return None
-            return comm.recv(
-                (sampled_rows, self.arch.vocab_size), self.dtype, last_stage_first_rank
-            )
-        if not sampled_rows:
+        sends, outputs = [], []
+        for inputs in parts:
+            meta = self.backend.build_metadata(inputs.layouts, self.num_blocks)
+            received = None
+            if not layout.is_first_stage:
+                shape = (len(inputs.input_ids), self.arch.hidden_size)
+                received = comm.recv(shape, self.dtype, layout.peer_in_stage(layout.stage - 1))
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, received)
+            if not layout.is_last_stage:
+                sends.append(comm.isend(hidden, layout.peer_in_stage(layout.stage + 1)))
+            elif inputs.sample_rows:
+                rows = torch.tensor(inputs.sample_rows, dtype=torch.long)
+                logits = self.model.compute_logits(hidden.index_select(0, rows))  # TP gather
+                if layout.rank == 0:
+                    outputs.append(logits)
+                elif layout.rank == last_stage_first_rank:
+                    sends.append(comm.isend(logits, 0))
+        if layout.rank == 0 and not layout.is_last_stage:
+            shape = (self.arch.vocab_size,)
+            outputs = [
+                comm.recv((len(p.sample_rows), *shape), self.dtype, last_stage_first_rank)
+                for p in parts
+                if p.sample_rows
+            ]
+        comm.wait_sends(sends)
+        if layout.rank != 0 or not outputs:
             return None
-        rows = torch.tensor(inputs.sample_rows, dtype=torch.long)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # TP ranks gather
-        if layout.rank == 0:
-            return logits
-        if layout.rank == last_stage_first_rank:
-            comm.send(logits, 0)
-        return None
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def split_batch(scheduled: list[ScheduledRequest], parts: int) -> list[list[ScheduledRequest]]:
+    """The step's sequences in up to ``parts`` contiguous micro-batches of near-equal token
+    counts (every rank splits the same step the same way)."""
+    if parts <= 1 or len(scheduled) <= 1:
+        return [scheduled]
+    total = sum(s.num_tokens for s in scheduled)
+    groups: list[list[ScheduledRequest]] = [[]]
+    done = 0
+    for s in scheduled:
+        boundary = total * len(groups) / parts
+        if groups[-1] and done >= boundary and len(groups) < parts:
+            groups.append([])
+        groups[-1].append(s)
+        done += s.num_tokens
+    return groups
 
 
 def copy_blocks(

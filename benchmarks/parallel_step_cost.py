@@ -1,21 +1,28 @@
-"""The cost of tensor parallelism on this machine: `pagellm bench throughput` with
---tensor-parallel-size 1 and N on the same workload, one after another, reporting throughput and
-the mean engine step (execute) time side by side. On a CPU the ranks share the cores (each gets
-cores / N torch threads), so this measures what the all-reduces and the extra processes cost,
-not a speed-up.
+"""The cost of tensor/pipeline parallelism on this machine: `pagellm bench throughput` with
+each --variant's flags on the same workload, one after another, reporting throughput and the
+mean engine step (execute) time side by side. On a CPU the ranks share the cores (each gets
+cores / N torch threads), so this measures what the collectives and the extra processes cost
+(and, for pipelines, what micro-batching wins back), not a speed-up.
 
 SmolLM2-135M has 9 heads and 3 KV heads: TP 3 is its only split. --random-even-heads builds a
 random-weight model of the same size with 8 heads and 4 KV heads (head_dim 72) so that TP 2 can
 be measured too.
 
-    python benchmarks/tp_step_cost.py --sizes 1,3 --output-dir results/tp_default
-    python benchmarks/tp_step_cost.py --random-even-heads --sizes 1,2 --output-dir results/tp_even
+    python benchmarks/parallel_step_cost.py --variant "TP 1=" \
+        --variant "TP 3=--tensor-parallel-size 3" --output-dir results/tp_default
+    python benchmarks/parallel_step_cost.py --random-even-heads --variant "TP 1=" \
+        --variant "TP 2=--tensor-parallel-size 2" --output-dir results/tp_even
+    python benchmarks/parallel_step_cost.py --variant "PP 1=" \
+        --variant "PP 2, 1 micro-batch=--pipeline-parallel-size 2 --pipeline-microbatches 1" \
+        --variant "PP 2, 2 micro-batches=--pipeline-parallel-size 2 --pipeline-microbatches 2" \
+        --output-dir results/pp_default
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -29,12 +36,13 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     p.add_argument("--random-even-heads", action="store_true")
-    p.add_argument("--sizes", default="1,3", help="tensor-parallel sizes to compare")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=FLAGS",
+                   help="a run: its label and its engine flags (repeat; the first is the base)")  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--output-dir", default="results/tp_step_cost")
+    p.add_argument("--output-dir", default="results/parallel_step_cost")
     return p.parse_args()
 
 
@@ -70,11 +78,13 @@ def main() -> int:
         model = str(build_even_heads_model(out / "random-even-heads"))
     workload = out / "workload.json"
     runs = []
-    for size in [int(s) for s in args.sizes.split(",")]:
-        report = out / f"tp{size}.json"
+    variants = args.variant or ["TP 1=", "TP 3=--tensor-parallel-size 3"]
+    for i, variant in enumerate(variants):
+        label, _, flags = variant.partition("=")
+        report = out / f"run{i}.json"
         cmd = [*PAGELLM, "bench", "throughput", "--dataset", "random", "--num-prompts",
                str(args.num_prompts), "--input-len", str(args.input_len), "--output-len",
-               str(args.output_len), "--dtype", args.dtype, "--tensor-parallel-size", str(size),
+               str(args.output_len), "--dtype", args.dtype, *shlex.split(flags),
                "--output-json", str(report), "--no-progress"]  # fmt: skip
         cmd += (
             ["--workload", str(workload)]
@@ -84,15 +94,15 @@ def main() -> int:
         if model:
             cmd += ["--model", model]
         subprocess.run(cmd, check=True)
-        runs.append((size, json.loads(report.read_text())))
+        runs.append((label, json.loads(report.read_text())))
     base = runs[0][1]["engine"]
     rows = []
-    for size, r in runs:
+    for label, r in runs:
         e = r["engine"]
         step_ms = 1000 * e["engine_execute_s"] / max(1, e["num_steps"])
         base_step = 1000 * base["engine_execute_s"] / max(1, base["num_steps"])
         rows.append([
-            f"TP {size}", f"{e['output_tokens_per_s']:.1f}",
+            label, f"{e['output_tokens_per_s']:.1f}",
             f"{e['output_tokens_per_s'] / base['output_tokens_per_s']:.3f}",
             str(e["num_steps"]), f"{step_ms:.1f}", f"{step_ms / base_step:.2f}",
         ])  # fmt: skip
