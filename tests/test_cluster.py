@@ -157,5 +157,17 @@ def test_a_tensor_parallel_replica_places_its_ranks_on_two_nodes(ray_cluster, ti
         r = httpx.post(f"{gateway}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == expected  # TP 2 across nodes == one process
+        (rank1,) = replica["load"]["rank_pids"]
+        os.kill(rank1, signal.SIGKILL)  # a worker rank dies while the replica is idle
+
+        def rebuilt() -> bool:
+            (row,) = api.status(config)["replicas"]
+            return row["restarts"] == 1 and row["state"] == "up"
+
+        wait_until(rebuilt, timeout=120, what="the replica to be rebuilt with new ranks")
+        events = "\n".join(api.status(config)["events"])
+        assert "unhealthy; restarting it" in events
+        again = httpx.post(f"{gateway}/v1/completions", json=body, timeout=60)
+        assert again.status_code == 200 and again.json()["choices"][0]["text"] == expected
     finally:
         api.down(config)

@@ -197,6 +197,29 @@ def test_queued_requests_time_out_with_503(two_fakes, tmp_path):
         assert len(fake_log(a)["requests"]) == 1  # the timed-out request never reached it
 
 
+def test_a_client_that_leaves_the_queue_never_reaches_a_replica(two_fakes, tmp_path):
+    a, _ = two_fakes
+    cfg = tmp_path / "gateway.yaml"
+    cfg.write_text("overload: {max_load: 1, queue_size: 4, queue_timeout: 60}\n")
+    control(a, hold=True)
+    body = {"model": "fake", "prompt": "x"}
+    with (
+        running_gateway(a, extra=("--config", str(cfg))) as gw,
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+    ):
+        held = pool.submit(post, gw, body)
+        wait_until(lambda: fake_log(a)["in_flight"] == 1, what="the replica busy")
+        with pytest.raises(httpx.ReadTimeout):  # waits in the queue; the client gives up
+            httpx.post(f"{gw}/v1/completions", json=body, headers=AUTH, timeout=0.5)
+        wait_until(lambda: gateway_metric(gw, "pagellm_gateway:queue_depth") == 0,
+                   what="the queue to forget it")  # fmt: skip
+        release(a)
+        assert held.result().status_code == 200
+        assert len(fake_log(a)["requests"]) == 1  # the one that left was never sent
+        assert gateway_metric(gw, 'pagellm_gateway:requests_total{key="",model="fake",'
+                              'replica="gateway",status="499"}') == 1  # fmt: skip
+
+
 def test_replicas_and_keys_reload_without_a_restart(tmp_path):
     cfg = tmp_path / "gateway.yaml"
     with running_fake("model-a") as (_, a), running_fake("model-b") as (_, b):

@@ -178,9 +178,17 @@ class ClusterController:
             elif not slot.urls_seen:
                 self.events.append(f"{slot.name}: up at {url} on node {node[:8]}")
             slot.urls_seen.append(url)
-        slot.url = url if load.get("healthy") else None
-        slot.down_since = None
-        slot.node, slot.load = node, load
+        slot.node, slot.load, slot.down_since = node, load, None
+        if load.get("healthy"):
+            slot.url = url
+            return
+        # it answers but cannot serve (its engine stopped: a rank died): out of rotation, and
+        # a restart of its actor (Ray's) builds it afresh, ranks included
+        slot.url = None
+        self.events.append(f"{slot.name}: unhealthy; restarting it")
+        import ray
+
+        ray.kill(slot.actor, no_restart=False)
 
     async def _replace(self, slot: _Slot) -> None:
         self.events.append(f"{slot.name}: no answer since a start's time; replacing it")

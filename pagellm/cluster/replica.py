@@ -62,7 +62,15 @@ class ReplicaServer:
             "healthy": float(self.front.is_healthy),
             "pid": float(os.getpid()),
             "rank_nodes": [r.node for r in getattr(self.front.engine.executor, "reports", [])],
+            "rank_pids": self._rank_pids(),
         }
+
+    def _rank_pids(self) -> list[int]:
+        ranks = getattr(self.front.engine.executor, "ranks", None)
+        try:
+            return ranks.pids() if ranks is not None else []
+        except Exception:  # noqa: BLE001 - a dead rank has no pid; health says the rest
+            return []
 
     def stop(self) -> None:
         """Stop serving (in-flight requests are cut) and stop the engine."""

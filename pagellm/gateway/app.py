@@ -348,11 +348,19 @@ class Gateway:
                 return self._overloaded()
             self.metrics.overload.labels("queued").inc()
             self.metrics.queue_depth.inc()
+            handler = asyncio.current_task()
+            watcher = asyncio.create_task(_cancel_on_disconnect(call.raw, handler))
             try:
                 ready = await self.queue.wait_turn(
                     lambda: self._has_room(call.model), rules.queue_timeout
                 )
+            except asyncio.CancelledError:
+                if not watcher.done() or handler is None:
+                    raise  # cancelled by someone else
+                handler.uncancel()
+                return Response(status_code=499)  # the client left while queued
             finally:
+                watcher.cancel()  # no await: the slot must be taken before anything else runs
                 self.metrics.queue_depth.dec()
             if not ready:
                 return self._overloaded()
@@ -577,6 +585,14 @@ def _with_policy(body: dict[str, Any], policy: KeyPolicy) -> dict[str, Any]:
     if policy.tenant:
         out["user"] = policy.tenant
     return out
+
+
+async def _cancel_on_disconnect(raw: Request, task: asyncio.Task | None) -> None:
+    """Cancel ``task`` (a request waiting in the overload queue) once its client has left."""
+    while not await raw.is_disconnected():
+        await asyncio.sleep(0.1)
+    if task is not None:
+        task.cancel()
 
 
 def _cap_tokens(body: dict[str, Any], cap: int) -> bool:

@@ -161,6 +161,7 @@ class RayRanks:
             }  # fmt: skip
             self.actors.append(ray.remote(RankActor).options(**options).remote(spec))
         self._pending: list[Any] = []
+        self._pings: list[Any] = []
 
     def reports(self) -> list[WorkerReport]:
         import ray
@@ -175,15 +176,20 @@ class RayRanks:
             self._pending = [a.execute.remote(sched) for a in self.actors]
 
     def check(self) -> None:
+        """Raise RankFailed if the last step or the last liveness ping came back with an
+        error; then ping again (so a rank that dies while the replica is idle is noticed at
+        the next check, e.g. the next /health)."""
         import ray
 
-        if not self._pending:
-            return
-        done, _ = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
-        for ref in done:
-            problem = self._outcome(ref)
-            if problem:
-                raise RankFailed(problem)
+        for refs in (self._pending, self._pings):
+            if refs:
+                done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+                for ref in done:
+                    problem = self._outcome(ref)
+                    if problem:
+                        raise RankFailed(problem)
+        if not self._pings or not ray.wait(self._pings, num_returns=len(self._pings), timeout=0)[1]:
+            self._pings = [a.get_pid.remote() for a in self.actors]
 
     def _outcome(self, ref: Any) -> str | None:
         import ray
@@ -192,7 +198,7 @@ class RayRanks:
             answer = ray.get(ref, timeout=0)
         except Exception as exc:  # noqa: BLE001 - the actor died: Ray says how
             return f"a worker rank died: {type(exc).__name__}"
-        return f"a worker rank failed: {answer}" if answer else None
+        return f"a worker rank failed: {answer}" if isinstance(answer, str) else None
 
     def explain(self, exc: BaseException) -> RankFailed:
         import ray
