@@ -36,11 +36,14 @@ class FakeTokenizer:
 
 
 class FakeClock:
-    def __init__(self) -> None:
+    """A clock tests move by hand (``now``); each reading also advances it by ``step``."""
+
+    def __init__(self, step: float = 0.001) -> None:
         self.now = 0.0
+        self.step = step
 
     def __call__(self) -> float:
-        self.now += 0.001
+        self.now += self.step
         return self.now
 
 

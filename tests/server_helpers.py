@@ -56,10 +56,17 @@ def running_server(
     """A healthy server process on a free loopback port; always stopped afterwards."""
     port = free_port()
     proc = start_server(model_dir, port, *extra, launcher=launcher)
+    with _serving(proc, port) as base:
+        yield proc, base
+
+
+@contextlib.contextmanager
+def _serving(proc: subprocess.Popen, port: int) -> Iterator[str]:
+    """Wait for ``proc`` to answer /health on ``port``; stop it however the block ends."""
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, base)
-        yield proc, base
+        yield base
     finally:
         stop_server(proc)
 
@@ -99,12 +106,8 @@ def running_gateway(
             "--health-interval", str(health_interval), "--breaker-failures", "1",
             "--breaker-reset", "1", "--log-level", "warning", *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, base)
+    with _serving(proc, port) as base:
         yield base
-    finally:
-        stop_server(proc)
 
 
 @contextlib.contextmanager
@@ -114,12 +117,8 @@ def running_fake(model: str = "fake") -> Iterator[tuple[subprocess.Popen, str]]:
     script = Path(__file__).with_name("fake_replica.py")
     cmd = [sys.executable, str(script), "--port", str(port), "--model", model]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, base)
+    with _serving(proc, port) as base:
         yield proc, base
-    finally:
-        stop_server(proc)
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -160,3 +159,28 @@ def stream_outcome(gw: str, body: dict) -> str:
     if not events or events[-1] != "data: [DONE]":
         return "silent cut"
     return "error" if any('"error"' in e for e in events) else "done"
+
+
+def leave_stream_after(url: str, body: dict, events: int = 3) -> None:
+    """Stream ``body`` to ``url`` and disconnect after ``events`` SSE events."""
+    with httpx.stream("POST", url, json={**body, "stream": True}, headers=AUTH) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data:")
+            if seen >= events:
+                break
+
+
+def wait_idle(server: str, aborted_before: float, within: float = 5.0) -> dict[str, float]:
+    """Wait until the server runs nothing, holds no KV and has aborted a request since
+    ``aborted_before``; its metrics then."""
+    deadline = time.monotonic() + within
+    while True:
+        m = metrics(server)
+        running = m[f'pagellm:num_requests_running{{model_name="{MODEL_NAME}"}}']
+        kv = m[f'pagellm:kv_cache_usage_perc{{model_name="{MODEL_NAME}"}}']
+        if running == 0 and kv == 0 and aborted(server) > aborted_before:
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not idle with an abort within {within} s: {m}")
+        time.sleep(0.05)

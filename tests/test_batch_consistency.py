@@ -7,9 +7,10 @@ import random
 
 import pytest
 import torch
+from llm_helpers import greedy, tiny_llm
 from reference import compare_greedy, hf_greedy
 
-from pagellm import LLM, SamplingParams
+from pagellm import LLM
 
 NUM_PROMPTS = 32
 
@@ -59,16 +60,6 @@ class Recorder:
         return self.inner.execute(sched)
 
 
-def _engine(tiny_models, **kw) -> LLM:
-    settings = dict(dtype="float32", kv_cache_memory=0.02, max_model_len=512)
-    settings.update(kw)
-    return LLM(str(tiny_models("llama")), **settings)
-
-
-def _params(max_tokens, n=1):
-    return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, n=n) for m in max_tokens]
-
-
 def _check_all(outs, references, label):
     for i, (out, ref) in enumerate(zip(outs, references, strict=True)):
         for comp in out.outputs:
@@ -82,29 +73,29 @@ def _assert_all_free(llm: LLM) -> None:
 
 
 def test_one_at_a_time(tiny_models, workload, references):
-    llm = _engine(tiny_models)
+    llm = tiny_llm(tiny_models)
     prompts, max_tokens = workload
     outs = [
-        llm.generate([p], _params([m]), use_tqdm=False)[0]
+        llm.generate([p], greedy([m]), use_tqdm=False)[0]
         for p, m in zip(prompts, max_tokens, strict=True)
     ]
     _check_all(outs, references, "alone")
 
 
 def test_one_batch_of_32(tiny_models, workload, references):
-    llm = _engine(tiny_models)
+    llm = tiny_llm(tiny_models)
     rec = Recorder(llm)
     prompts, max_tokens = workload
-    outs = llm.generate(prompts, _params(max_tokens), use_tqdm=False)
+    outs = llm.generate(prompts, greedy(max_tokens), use_tqdm=False)
     assert rec.max_batch == NUM_PROMPTS
     _check_all(outs, references, "batch")
     _assert_all_free(llm)
 
 
 def test_under_preemption(tiny_models, workload, references):
-    llm = _engine(tiny_models, num_gpu_blocks_override=40, max_model_len=400)
+    llm = tiny_llm(tiny_models, num_gpu_blocks_override=40, max_model_len=400)
     prompts, max_tokens = workload
-    outs = llm.generate(prompts, _params(max_tokens), use_tqdm=False)
+    outs = llm.generate(prompts, greedy(max_tokens), use_tqdm=False)
     assert llm.get_stats().num_preemptions > 0
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     _check_all(outs, references, "preempted")
@@ -112,19 +103,19 @@ def test_under_preemption(tiny_models, workload, references):
 
 
 def test_chunked_prefill(tiny_models, workload, references):
-    llm = _engine(tiny_models, max_num_batched_tokens=48)
+    llm = tiny_llm(tiny_models, max_num_batched_tokens=48)
     rec = Recorder(llm)
     prompts, max_tokens = workload
-    outs = llm.generate(prompts, _params(max_tokens), use_tqdm=False)
+    outs = llm.generate(prompts, greedy(max_tokens), use_tqdm=False)
     assert rec.partial_prefills > 0
     _check_all(outs, references, "chunked")
 
 
 def test_n3_copies_share_prompt_blocks(tiny_models, workload, references):
-    llm = _engine(tiny_models)
+    llm = tiny_llm(tiny_models)
     rec = Recorder(llm)
     prompts, max_tokens = workload
-    outs = llm.generate(prompts[:8], _params(max_tokens[:8], n=3), use_tqdm=False)
+    outs = llm.generate(prompts[:8], greedy(max_tokens[:8], n=3), use_tqdm=False)
     assert all(len(o.outputs) == 3 for o in outs)
     assert rec.max_shared_refs >= 3  # a prompt block owned by all three copies
     _check_all(outs, references[:8], "n=3")

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from fakes import FakeClock as Clock
 
 from pagellm.cluster.autoscale import Autoscaler, Load
 from pagellm.cluster.config import ClusterConfigError, parse_cluster_config
@@ -70,16 +71,8 @@ def test_cluster_up_dry_run_prints_the_plan(tmp_path):
     assert bad.returncode != 0 and "'nodes'" in bad.stderr
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_autoscaler_adds_after_a_sustained_queue_and_removes_when_idle():
-    clock = Clock()
+    clock = Clock(step=0.0)
     scaler = Autoscaler(1, 3, queue_depth=4, upscale_delay=5, downscale_delay=30, clock=clock)
     assert scaler.desired(Load(1, waiting=10, running=2)) == 1  # busy, not for long yet
     clock.now = 4

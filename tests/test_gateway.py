@@ -5,7 +5,6 @@ a replica dies, and 503 cluster_unavailable when none is left."""
 from __future__ import annotations
 
 import concurrent.futures
-import time
 
 import httpx
 import openai
@@ -17,6 +16,7 @@ from server_helpers import (
     aborted,
     free_port,
     gateway_metric,
+    leave_stream_after,
     metrics,
     running_gateway,
     running_server,
@@ -24,6 +24,7 @@ from server_helpers import (
     stop_server,
     stream_outcome,
     wait_healthy,
+    wait_idle,
     wait_until,
 )
 
@@ -74,22 +75,9 @@ def test_disconnect_through_the_gateway_frees_the_replica(replicas):
     (_, b1), _ = replicas
     aborted_before = aborted(b1)
     with running_gateway(b1) as gw:
-        body = {"model": MODEL_NAME, "prompt": "go", "max_tokens": 480, "ignore_eos": True,
-                "stream": True}  # fmt: skip
-        with httpx.stream("POST", f"{gw}/v1/completions", json=body, headers=AUTH) as r:
-            seen = 0
-            for line in r.iter_lines():
-                seen += line.startswith("data:")
-                if seen >= 3:
-                    break
-        running = f'pagellm:num_requests_running{{model_name="{MODEL_NAME}"}}'
-        kv = f'pagellm:kv_cache_usage_perc{{model_name="{MODEL_NAME}"}}'
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline and (
-            metrics(b1)[running] or metrics(b1)[kv] or aborted(b1) == aborted_before
-        ):
-            time.sleep(0.05)
-        assert metrics(b1)[running] == 0 and metrics(b1)[kv] == 0
+        body = {"model": MODEL_NAME, "prompt": "go", "max_tokens": 480, "ignore_eos": True}
+        leave_stream_after(f"{gw}/v1/completions", body)
+        wait_idle(b1, aborted_before, within=1.0)  # running and KV back to 0 within a second
         assert aborted(b1) == aborted_before + 1  # the replica aborted it: it did not just finish
 
 

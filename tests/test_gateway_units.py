@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from fakes import FakeClock as Clock
 
 from pagellm.gateway.breaker import BreakerState, CircuitBreaker
 from pagellm.gateway.routing import Replica, Router
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_breaker_opens_probes_and_closes():
-    clock = Clock()
+    clock = Clock(step=0.0)
     b = CircuitBreaker(clock, failure_threshold=3, reset_after=5.0)
     for _ in range(2):
         b.record_failure()
@@ -36,7 +29,7 @@ def test_breaker_opens_probes_and_closes():
 
 
 def _replicas(n: int) -> list[Replica]:
-    clock = Clock()
+    clock = Clock(step=0.0)
     return [Replica(f"http://r{i}", CircuitBreaker(clock)) for i in range(n)]
 
 
@@ -90,7 +83,7 @@ from pagellm.gateway.limits import KeyRing, TokenBucket, hash_key  # noqa: E402
 
 
 def test_token_bucket_refills_per_minute_and_says_how_long_to_wait():
-    clock = Clock()
+    clock = Clock(step=0.0)
     bucket = TokenBucket(60, clock)  # 1 token per second
     assert bucket.take(60) == 0.0
     assert bucket.take(3) == pytest.approx(3.0)  # nothing taken
@@ -107,7 +100,7 @@ def _ring(clock, **limits):
 
 
 def test_keys_are_identified_by_hash():
-    ring = _ring(Clock())
+    ring = _ring(Clock(step=0.0))
     assert ring.identify("Bearer secret-a").name == "a"
     assert ring.identify("Bearer secret-b").name == "b"
     assert ring.identify("Bearer nope") is None and ring.identify(None) is None
@@ -116,7 +109,7 @@ def test_keys_are_identified_by_hash():
 
 
 def test_model_concurrency_and_request_limits():
-    clock = Clock()
+    clock = Clock(step=0.0)
     ring = _ring(clock, max_concurrent=2, requests_per_minute=3)
     key = ring.identify("Bearer secret-a")
     assert ring.admit(key, "other", 1).status == 404
@@ -133,7 +126,7 @@ def test_model_concurrency_and_request_limits():
 
 
 def test_token_limit_charges_then_refunds_unused_tokens():
-    clock = Clock()
+    clock = Clock(step=0.0)
     ring = _ring(clock, tokens_per_minute=100)
     key = ring.identify("Bearer secret-a")
     assert ring.admit(key, "m", 80) is None
@@ -146,7 +139,7 @@ def test_token_limit_charges_then_refunds_unused_tokens():
 def test_forwarded_body_carries_the_keys_priority_and_tenant():
     from pagellm.gateway.app import _with_policy, estimate_tokens
 
-    ring = _ring(Clock(), priority=3, tenant="team-a")
+    ring = _ring(Clock(step=0.0), priority=3, tenant="team-a")
     key = ring.identify("Bearer secret-a")
     body = {"model": "m", "prompt": "x" * 40, "max_tokens": 10, "user": "someone"}
     out = _with_policy(body, key)
@@ -168,7 +161,7 @@ def test_least_load_counts_what_the_replicas_report():
 def test_reloaded_keys_keep_their_in_flight_count_and_bucket_levels():
     from pagellm.gateway.limits import KeyRing, hash_key
 
-    clock = Clock()
+    clock = Clock(step=0.0)
     entry = {"name": "a", "key_sha256": hash_key("secret-a"), "max_concurrent": 2,
              "requests_per_minute": 3}  # fmt: skip
     old = KeyRing([entry], clock)
@@ -215,7 +208,7 @@ def test_admission_queue_is_first_come_first_served():
     from pagellm.gateway.overload import AdmissionQueue
 
     async def scenario() -> list[str]:
-        queue, room, order = AdmissionQueue(Clock()), [0], []
+        queue, room, order = AdmissionQueue(Clock(step=0.0)), [0], []
 
         async def request(name: str) -> None:
             if await queue.wait_turn(lambda: room[0] > 0, timeout=60):
@@ -246,7 +239,7 @@ def test_admission_queue_times_out_on_the_injected_clock():
     from pagellm.gateway.overload import AdmissionQueue
 
     async def scenario() -> bool:
-        clock = Clock()
+        clock = Clock(step=0.0)
         queue = AdmissionQueue(clock)
         waiter = asyncio.create_task(queue.wait_turn(lambda: False, timeout=5))
         await asyncio.sleep(0)

@@ -8,9 +8,8 @@ import random
 
 import pytest
 import torch
+from llm_helpers import greedy, tiny_llm
 from reference import compare_greedy, hf_greedy
-
-from pagellm import LLM, SamplingParams
 
 SYSTEM_LEN = 70
 
@@ -34,16 +33,6 @@ def shared_prompts():
     return prompts, max_tokens
 
 
-def _engine(tiny_models, **kw) -> LLM:
-    settings = dict(dtype="float32", kv_cache_memory=0.02, max_model_len=512)
-    settings.update(kw)
-    return LLM(str(tiny_models("llama")), **settings)
-
-
-def _params(max_tokens, n=1):
-    return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, n=n) for m in max_tokens]
-
-
 def _check(outs, hf, prompts, max_tokens, label):
     for i, (out, p, m) in enumerate(zip(outs, prompts, max_tokens, strict=True)):
         ref = hf_greedy(hf, p, m)
@@ -53,9 +42,9 @@ def _check(outs, hf, prompts, max_tokens, label):
 
 def test_shared_system_prompt_hits_and_matches(tiny_models, hf, shared_prompts):
     prompts, max_tokens = shared_prompts
-    llm = _engine(tiny_models)
-    first = llm.generate(prompts[:1], _params(max_tokens[:1]), use_tqdm=False)
-    rest = llm.generate(prompts[1:], _params(max_tokens[1:]), use_tqdm=False)
+    llm = tiny_llm(tiny_models)
+    first = llm.generate(prompts[:1], greedy(max_tokens[:1]), use_tqdm=False)
+    rest = llm.generate(prompts[1:], greedy(max_tokens[1:]), use_tqdm=False)
     stats = llm.get_stats()
     # every later prompt reuses the system prompt's 4 full blocks (block size 16)
     assert stats.prefix_cache_hits >= (len(prompts) - 1) * (SYSTEM_LEN // 16) * 16
@@ -65,22 +54,22 @@ def test_shared_system_prompt_hits_and_matches(tiny_models, hf, shared_prompts):
 
 def test_caching_on_and_off_agree(tiny_models, hf, shared_prompts):
     prompts, max_tokens = shared_prompts
-    off = _engine(tiny_models, enable_prefix_caching=False)
-    outs = off.generate(prompts, _params(max_tokens), use_tqdm=False)
+    off = tiny_llm(tiny_models, enable_prefix_caching=False)
+    outs = off.generate(prompts, greedy(max_tokens), use_tqdm=False)
     assert off.get_stats().prefix_cache_hits == 0
     _check(outs, hf, prompts, max_tokens, "uncached")
 
 
 def test_multi_turn_reuses_generated_tokens(tiny_models, hf, shared_prompts):
     prompts, _ = shared_prompts
-    llm = _engine(tiny_models)
-    turn1 = llm.generate(prompts[:4], _params([12] * 4), use_tqdm=False)
+    llm = tiny_llm(tiny_models)
+    turn1 = llm.generate(prompts[:4], greedy([12] * 4), use_tqdm=False)
     follow = [
         p + list(o.outputs[0].token_ids) + [1234, 4321]
         for p, o in zip(prompts[:4], turn1, strict=True)
     ]
     before = llm.get_stats().prefix_cache_hits
-    turn2 = llm.generate(follow, _params([8] * 4), use_tqdm=False)
+    turn2 = llm.generate(follow, greedy([8] * 4), use_tqdm=False)
     hits = llm.get_stats().prefix_cache_hits - before
     # each history's full blocks (generated tokens included) come from the cache
     assert hits == sum(((len(f) - 1) // 16) * 16 for f in follow)
@@ -89,11 +78,11 @@ def test_multi_turn_reuses_generated_tokens(tiny_models, hf, shared_prompts):
 
 def test_under_preemption_and_chunked_prefill(tiny_models, hf, shared_prompts):
     prompts, max_tokens = shared_prompts
-    llm = _engine(
+    llm = tiny_llm(
         tiny_models, num_gpu_blocks_override=30, max_num_batched_tokens=48, max_model_len=200
     )
-    llm.generate(prompts[:1], _params([2]), use_tqdm=False)  # warm the cache
-    outs = llm.generate(prompts, _params(max_tokens), use_tqdm=False)
+    llm.generate(prompts[:1], greedy([2]), use_tqdm=False)  # warm the cache
+    outs = llm.generate(prompts, greedy(max_tokens), use_tqdm=False)
     stats = llm.get_stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     _check(outs, hf, prompts, max_tokens, "preempted+chunked")
@@ -104,9 +93,9 @@ def test_under_preemption_and_chunked_prefill(tiny_models, hf, shared_prompts):
 
 def test_n_copies_with_caching(tiny_models, hf, shared_prompts):
     prompts, max_tokens = shared_prompts
-    llm = _engine(tiny_models)
-    llm.generate(prompts[:1], _params([2]), use_tqdm=False)
-    outs = llm.generate(prompts[:5], _params(max_tokens[:5], n=3), use_tqdm=False)
+    llm = tiny_llm(tiny_models)
+    llm.generate(prompts[:1], greedy([2]), use_tqdm=False)
+    outs = llm.generate(prompts[:5], greedy(max_tokens[:5], n=3), use_tqdm=False)
     assert llm.get_stats().prefix_cache_hits > 0
     assert all(len(o.outputs) == 3 for o in outs)
     _check(outs, hf, prompts[:5], max_tokens[:5], "n=3 cached")

@@ -7,7 +7,16 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import API_KEY, AUTH, MODEL_NAME, aborted, metrics, running_server
+from server_helpers import (
+    API_KEY,
+    AUTH,
+    MODEL_NAME,
+    aborted,
+    leave_stream_after,
+    metrics,
+    running_server,
+    wait_idle,
+)
 
 
 @pytest.fixture(scope="module")
@@ -168,38 +177,20 @@ def test_tokenize_roundtrip(server):
     assert text.json()["prompt"] == "hello world"
 
 
-def _wait_idle(server, aborted_before: float) -> dict[str, float]:
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        m = metrics(server)
-        running = m[f'pagellm:num_requests_running{{model_name="{MODEL_NAME}"}}']
-        kv = m[f'pagellm:kv_cache_usage_perc{{model_name="{MODEL_NAME}"}}']
-        if running == 0 and kv == 0 and aborted(server) > aborted_before:
-            return m
-        time.sleep(0.05)
-    raise AssertionError(f"no abort seen: {m}")
-
-
 LONG = {"model": MODEL_NAME, "prompt": "go", "max_tokens": 500, "ignore_eos": True}
 
 
 def test_stream_disconnect_aborts_and_frees_kv(server):
     before = aborted(server)
-    body = {**LONG, "stream": True}
-    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=AUTH) as r:
-        seen = 0
-        for line in r.iter_lines():
-            seen += line.startswith("data:")
-            if seen >= 3:
-                break
-    _wait_idle(server, before)
+    leave_stream_after(f"{server}/v1/completions", LONG)
+    wait_idle(server, before)
 
 
 def test_non_stream_disconnect_aborts_and_frees_kv(server):
     before = aborted(server)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server}/v1/completions", json=LONG, headers=AUTH, timeout=0.1)
-    _wait_idle(server, before)
+    wait_idle(server, before)
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_models):

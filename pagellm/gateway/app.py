@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -112,6 +113,11 @@ class _Call:
     @property
     def model(self) -> str | None:
         return self.body.get("model")
+
+    @functools.cached_property
+    def prompt_key(self) -> str:
+        """What prefix-affinity hashes: the prompt or the messages, as sent."""
+        return json.dumps(self.body.get("messages") or self.body.get("prompt") or "")
 
     def encoded(self) -> bytes:
         if self.content is None:
@@ -348,20 +354,16 @@ class Gateway:
                 return self._overloaded()
             self.metrics.overload.labels("queued").inc()
             self.metrics.queue_depth.inc()
-            handler = asyncio.current_task()
-            watcher = asyncio.create_task(_cancel_on_disconnect(call.raw, handler))
+            ready = False
             try:
-                ready = await self.queue.wait_turn(
-                    lambda: self._has_room(call.model), rules.queue_timeout
-                )
-            except asyncio.CancelledError:
-                if not watcher.done() or handler is None:
-                    raise  # cancelled by someone else
-                handler.uncancel()
-                return Response(status_code=499)  # the client left while queued
+                with _ClientWatch(call.raw) as watch:
+                    ready = await self.queue.wait_turn(
+                        lambda: self._has_room(call.model), rules.queue_timeout
+                    )
             finally:
-                watcher.cancel()  # no await: the slot must be taken before anything else runs
                 self.metrics.queue_depth.dec()
+            if watch.left:
+                return Response(status_code=499)  # the client left while queued
             if not ready:
                 return self._overloaded()
         return await self._route(call)
@@ -381,7 +383,7 @@ class Gateway:
         for attempt in range(self.settings.max_attempts):
             if attempt:
                 self.metrics.retries.inc()
-            replica = self._pick(call.model, call.body, tried)
+            replica = self._pick(call.model, call.prompt_key, tried)
             if replica is None:
                 break
             resp = await self._send(replica, call)
@@ -414,13 +416,12 @@ class Gateway:
             headers={"Retry-After": "2"},
         )
 
-    def _pick(self, model: str | None, body: dict[str, Any], tried: set[str]) -> Replica | None:
+    def _pick(self, model: str | None, prompt_key: str, tried: set[str]) -> Replica | None:
         while True:
             candidates = self.candidates(model, tried)
             if not candidates:
                 return None
-            key = json.dumps(body.get("messages") or body.get("prompt") or "")
-            replica = self.router.choose(candidates, key)
+            replica = self.router.choose(candidates, prompt_key)
             tried.add(replica.url)
             if replica.breaker.allows():
                 if replica.fallback:
@@ -474,21 +475,18 @@ class Gateway:
         failing before then (dying with the request still in its queue) leaves the request
         free to retry elsewhere. None: it failed; a Response: the client left meanwhile."""
         chunks = resp.aiter_raw()
-        reader = asyncio.ensure_future(anext(chunks))
         try:
-            while True:
-                done, _ = await asyncio.wait({reader}, timeout=0.1)
-                if done:
-                    return reader.result(), chunks
-                if await raw.is_disconnected():
-                    reader.cancel()
-                    await resp.aclose()
-                    self._release(replica)
-                    return Response(status_code=499)
+            with _ClientWatch(raw) as watch:
+                first = await anext(chunks)
         except (httpx.HTTPError, StopAsyncIteration):
             await resp.aclose()
             self._failed(replica)
             return None
+        if watch.left:
+            await resp.aclose()
+            self._release(replica)
+            return Response(status_code=499)
+        return first, chunks
 
     async def _relay(
         self,
@@ -519,22 +517,17 @@ class Gateway:
 
     async def _whole(self, resp: httpx.Response, replica: Replica, raw: Request) -> Response:
         """Read a non-streamed answer; a client that leaves meanwhile closes the upstream."""
-        reader = asyncio.ensure_future(resp.aread())
         try:
-            while True:
-                done, _ = await asyncio.wait({reader}, timeout=0.1)
-                if done:
-                    break
-                if await raw.is_disconnected():
-                    reader.cancel()
-                    return Response(status_code=499)
-            content = reader.result()
+            with _ClientWatch(raw) as watch:
+                content = await resp.aread()
         except httpx.HTTPError as exc:
             self._breaker_failure(replica)
             return _error(502, f"the replica failed: {type(exc).__name__}")
         finally:
             await resp.aclose()
             self._release(replica)
+        if watch.left:
+            return Response(status_code=499)
         media = resp.headers.get("content-type", "application/json")
         extra = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
         return Response(content, status_code=resp.status_code, media_type=media, headers=extra)
@@ -587,12 +580,33 @@ def _with_policy(body: dict[str, Any], policy: KeyPolicy) -> dict[str, Any]:
     return out
 
 
-async def _cancel_on_disconnect(raw: Request, task: asyncio.Task | None) -> None:
-    """Cancel ``task`` (a request waiting in the overload queue) once its client has left."""
-    while not await raw.is_disconnected():
-        await asyncio.sleep(0.1)
-    if task is not None:
-        task.cancel()
+class _ClientWatch:
+    """While the block runs, a client that disconnects cancels the awaiting task; the
+    cancellation ends the block and is swallowed, and ``left`` says it happened. Entering and
+    leaving never await, so a block that ends normally lets its caller act before anything
+    else runs (the overload queue relies on it)."""
+
+    def __init__(self, raw: Request) -> None:
+        self.raw = raw
+        self.left = False
+
+    def __enter__(self) -> _ClientWatch:
+        self.task = asyncio.current_task()
+        self.watcher = asyncio.create_task(self._watch())
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> bool:
+        self.watcher.cancel()
+        if kind is asyncio.CancelledError and self.left:
+            self.task.uncancel()
+            return True
+        return False
+
+    async def _watch(self) -> None:
+        while not await self.raw.is_disconnected():
+            await asyncio.sleep(0.1)
+        self.left = True
+        self.task.cancel()
 
 
 def _cap_tokens(body: dict[str, Any], cap: int) -> bool:

@@ -90,7 +90,7 @@ class ParallelExecutor:
         if self.failed is not None:
             return False
         try:
-            self.ranks.check()
+            self.ranks.ping()
         except RankFailed:
             return False
         return True

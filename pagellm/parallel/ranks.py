@@ -22,7 +22,11 @@ class WorkerRanks(Protocol):
     def send(self, sched: SchedulerOutput | None) -> None: ...
 
     def check(self) -> None:
-        """Raise RankFailed if a worker is known to have stopped."""
+        """Raise RankFailed if a worker is known to have stopped (cheap: runs every step)."""
+        ...
+
+    def ping(self) -> None:
+        """Like check, and also look for ranks that died while idle (health checks)."""
         ...
 
     def explain(self, exc: BaseException) -> RankFailed: ...
@@ -67,6 +71,9 @@ class ProcessRanks:
         for proc, _ in self.workers:
             if not proc.is_alive():
                 raise RankFailed(f"{proc.name} exited with code {proc.exitcode}")
+
+    def ping(self) -> None:
+        self.check()  # a process's liveness is known without asking it
 
     def explain(self, exc: BaseException) -> RankFailed:
         """The first worker's own account of its failure, when one came up its pipe."""
@@ -176,20 +183,29 @@ class RayRanks:
             self._pending = [a.execute.remote(sched) for a in self.actors]
 
     def check(self) -> None:
-        """Raise RankFailed if the last step or the last liveness ping came back with an
-        error; then ping again (so a rank that dies while the replica is idle is noticed at
-        the next check, e.g. the next /health)."""
+        """Raise RankFailed if the last step came back with an error (on the step path: no
+        new Ray calls here)."""
+        self._raise_if_failed(self._pending)
+
+    def ping(self) -> None:
+        """Raise RankFailed if the last liveness ping failed, then ping again once it is
+        answered: a rank that dies while the replica is idle is seen by the next health check."""
         import ray
 
-        for refs in (self._pending, self._pings):
-            if refs:
-                done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-                for ref in done:
-                    problem = self._outcome(ref)
-                    if problem:
-                        raise RankFailed(problem)
+        self._raise_if_failed(self._pings)
         if not self._pings or not ray.wait(self._pings, num_returns=len(self._pings), timeout=0)[1]:
             self._pings = [a.get_pid.remote() for a in self.actors]
+
+    def _raise_if_failed(self, refs: list[Any]) -> None:
+        import ray
+
+        if not refs:
+            return
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in done:
+            problem = self._outcome(ref)
+            if problem:
+                raise RankFailed(problem)
 
     def _outcome(self, ref: Any) -> str | None:
         import ray

@@ -42,17 +42,29 @@ def num_blocks_for(
     arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, comm: Collectives | None = None
 ) -> int:
     """KV blocks that fit this rank's budget (``kv_cache_memory`` is per rank)."""
-    if cache.num_gpu_blocks_override is not None:
-        return cache.num_gpu_blocks_override
-    return int(cache.kv_cache_memory * GIB) // _bytes_per_block(arch, cache, dtype, comm)
+    return _blocks_in(
+        cache.kv_cache_memory, cache.num_gpu_blocks_override, arch, cache, dtype, comm
+    )
 
 
 def num_host_blocks_for(
     arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, comm: Collectives | None = None
 ) -> int:
-    if cache.num_host_blocks_override is not None:
-        return cache.num_host_blocks_override
-    return int(cache.swap_space * GIB) // _bytes_per_block(arch, cache, dtype, comm)
+    """Host blocks for swapped-out KV in this rank's ``swap_space``."""
+    return _blocks_in(cache.swap_space, cache.num_host_blocks_override, arch, cache, dtype, comm)
+
+
+def _blocks_in(
+    gib: float,
+    override: int | None,
+    arch: ModelArch,
+    cache: CacheConfig,
+    dtype: torch.dtype,
+    comm: Collectives | None,
+) -> int:
+    if override is not None:
+        return override
+    return int(gib * GIB) // _bytes_per_block(arch, cache, dtype, comm)
 
 
 def _bytes_per_block(
