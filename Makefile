@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: run test lint format fetch-model bench clean
+.PHONY: run test lint format fetch-model bench gpu-carry clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,13 @@ format: $(STAMP)
 bench: fetch-model
 	$(VENV)/bin/pagellm bench throughput --dataset random --input-len 128 --output-len 128 \
 		--num-prompts 256 --baseline hf --output-json results/throughput_random.json
+
+# What scripts/gpu_check.sh needs on a CUDA machine that cannot fetch (run there with the
+# device tool, carrying .gpu-carry): the default model's tokenizer as HF files, the gguf wheel.
+gpu-carry: fetch-model
+	rm -rf .gpu-carry && mkdir -p .gpu-carry/wheels
+	$(PY) -c "from pagellm.fetch import require_default_model as m; from pagellm.runner.tokenizer import Tokenizer as T; T.load(m(), None).hf.save_pretrained('.gpu-carry/tokenizer')"
+	$(PIP) download -q --no-deps -d .gpu-carry/wheels gguf
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -6,7 +6,8 @@ cores / N torch threads), so this measures what the collectives and the extra pr
 
 SmolLM2-135M has 9 heads and 3 KV heads: TP 3 is its only split. --random-even-heads builds a
 random-weight model of the same size with 8 heads and 4 KV heads (head_dim 72) so that TP 2 can
-be measured too.
+be measured too. --tokenizer-dir gives that model a saved HF tokenizer instead of the default
+model's (on a machine the GGUF cannot travel to: scripts/gpu_check.sh).
 
     python benchmarks/parallel_step_cost.py --variant "TP 1=" \
         --variant "TP 3=--tensor-parallel-size 3" --output-dir results/tp_default
@@ -36,6 +37,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     p.add_argument("--random-even-heads", action="store_true")
+    p.add_argument("--tokenizer-dir", default=None, help="for --random-even-heads")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=FLAGS",
                    help="a run: its label and its engine flags (repeat; the first is the base)")  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=64)
@@ -46,7 +48,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def build_even_heads_model(out: Path) -> Path:
+def build_even_heads_model(out: Path, tokenizer_dir: str | None = None) -> Path:
     """SmolLM2-135M's shape (576 hidden, 30 layers, 1536 MLP) with 8 heads / 4 KV heads."""
     import torch
     import transformers
@@ -65,7 +67,10 @@ def build_even_heads_model(out: Path) -> Path:
     )  # fmt: skip
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(str(out), safe_serialization=True)
-    Tokenizer.load(require_default_model(), None).hf.save_pretrained(str(out))
+    if tokenizer_dir:
+        transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(str(out))
+    else:
+        Tokenizer.load(require_default_model(), None).hf.save_pretrained(str(out))
     return out
 
 
@@ -75,7 +80,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = args.model
     if args.random_even_heads:
-        model = str(build_even_heads_model(out / "random-even-heads"))
+        model = str(build_even_heads_model(out / "random-even-heads", args.tokenizer_dir))
     workload = out / "workload.json"
     runs = []
     variants = args.variant or ["TP 1=", "TP 3=--tensor-parallel-size 3"]

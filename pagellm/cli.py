@@ -136,7 +136,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pagellm.fetch import DEFAULT_FILE
     from pagellm.server.app import ServerSettings, build_app
 
-    engine, tokenizer = build_engine(EngineConfig.from_flat(**engine_kwargs(args)))
+    try:
+        engine, tokenizer = build_engine(EngineConfig.from_flat(**engine_kwargs(args)))
+    except (ValueError, FileNotFoundError) as exc:  # a setting or path that cannot work here
+        raise SystemExit(f"pagellm serve: {exc}") from exc
     default_name = args.model or DEFAULT_FILE.removesuffix(".gguf")
     settings = ServerSettings(
         model_name=args.served_model_name or default_name,

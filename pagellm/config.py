@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 GIB = 1 << 30
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,7 +21,11 @@ class ModelConfig:
     model: str | None = None
     """HF directory (config.json + *.safetensors) or a .gguf file; None = the embedded default."""
     dtype: str = "auto"
-    """Compute dtype: auto (bfloat16 on CPUs with native bf16, else float32), float32, bfloat16."""
+    """Compute dtype: auto (bfloat16 on a GPU or a CPU with native bf16, else float32),
+    float32, bfloat16, float16."""
+    device: str = "auto"
+    """Where the model runs: auto (a CUDA GPU when torch sees one, else the CPU), cpu, cuda.
+    Under tensor/pipeline parallelism each rank takes its own GPU."""
     max_model_len: int | None = None
     """Longest prompt + output in tokens; None = the model's own context length."""
     seed: int = 0
@@ -36,7 +41,10 @@ class CacheConfig:
     block_size: int = 16
     """Tokens per KV block."""
     kv_cache_memory: float = 2.0
-    """KV-cache budget in GiB (CPU); the number of blocks is derived from it."""
+    """KV-cache budget in GiB on CPU (per rank); the number of blocks is derived from it."""
+    gpu_memory_utilization: float = 0.9
+    """On a GPU: the fraction of the card a rank may use; its KV cache gets what is left of it
+    after the weights and the activations of a profiled largest step."""
     num_gpu_blocks_override: int | None = None
     """Exact number of KV blocks, overriding the memory budget (tests, experiments)."""
     swap_space: float = 4.0

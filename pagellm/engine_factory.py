@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pagellm.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.runner.device import resolve_device
 from pagellm.runner.loader import open_model, resolve_dtype, resolve_source
 from pagellm.runner.model_runner import ModelRunner
 from pagellm.runner.tokenizer import Tokenizer
@@ -14,7 +15,8 @@ def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
     source = resolve_source(config.model.model)
     files = open_model(source)
     arch = files.arch
-    dtype = resolve_dtype(config.model.dtype)
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
     tokenizer_source = resolve_source(config.model.tokenizer) if config.model.tokenizer else source
     tokenizer = Tokenizer.load(tokenizer_source, arch.eos_token_id)
     max_len = config.model.max_model_len or arch.max_position_embeddings
@@ -28,9 +30,12 @@ def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
         from pagellm.parallel.executor import ParallelExecutor
 
         executor = ParallelExecutor(
-            files, config.model.dtype, dtype, config.cache, swap, config.parallel
-        )
+            files, config.model.dtype, dtype, config.cache, swap, config.parallel, device,
+            config.scheduler,
+        )  # fmt: skip
     else:
-        executor = ModelRunner(files, dtype, config.cache, swap=swap)
+        executor = ModelRunner(
+            files, dtype, config.cache, swap=swap, device=device, limits=config.scheduler
+        )
     engine = LLMEngine(config, executor, tokenizer, max_len, arch.vocab_size)
     return engine, tokenizer

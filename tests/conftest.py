@@ -53,9 +53,15 @@ def _tiny_config(arch: str):
 
 @pytest.fixture(scope="session")
 def default_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's tokenizer saved as HF files (or PAGELLM_TEST_TOKENIZER_DIR's, on a
+    machine the GGUF cannot travel to: ``make gpu-carry`` writes one)."""
+    import os
+
     from pagellm.fetch import require_default_model
     from pagellm.runner.tokenizer import Tokenizer
 
+    if os.environ.get("PAGELLM_TEST_TOKENIZER_DIR"):
+        return Path(os.environ["PAGELLM_TEST_TOKENIZER_DIR"])
     tok = Tokenizer.load(require_default_model(), None)
     out = tmp_path_factory.mktemp("tokenizer")
     tok.hf.save_pretrained(str(out))

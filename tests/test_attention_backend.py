@@ -24,15 +24,17 @@ def _naive(q, k, v):
 
 
 @pytest.mark.parametrize("D", [16, 64, 128])  # 64 and 128 take the kernel's AVX-512 path
-@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "cpp-kernel"])
+@pytest.mark.parametrize("path", ["torch", "cpp-kernel", "fused-sdpa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_batch_matches_naive_attention(dtype, use_kernel, D):
+def test_mixed_batch_matches_naive_attention(dtype, path, D):
     gen = torch.Generator().manual_seed(0)
+    use_kernel = path == "cpp-kernel"
     kernel = load_paged_decode_kernel() if use_kernel else None
     if use_kernel:
         assert kernel is not None, "the C++ kernel must build on this machine (g++ is required)"
     backend = TorchAttentionBackend(HQ, HKV, D, BS, dtype, decode_kernel=kernel)
     assert (backend.decode_kernel is not None) == use_kernel
+    backend.fused_sdpa = path == "fused-sdpa"  # the path a GPU takes in every dtype
     (cache,) = backend.allocate_cache(1, NUM_BLOCKS)
     # (context already cached, new tokens): two decodes, a prefill with a prefix, a fresh prefill
     # decodes, small prefill chunks (row-wise with the kernel), then chunks big enough for GEMMs

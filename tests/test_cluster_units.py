@@ -34,7 +34,8 @@ def test_the_plan_of_a_good_file():
     assert plan["engine_args"]["parallel"]["tensor_parallel_size"] == 2
     assert plan["engine_args"]["scheduler"]["max_num_seqs"] == 64
     assert plan["gateway"]["url"] == "http://127.0.0.1:9000"
-    assert any("gpu_memory_utilization" in note for note in plan["notes"])
+    assert plan["engine_args"]["cache"]["gpu_memory_utilization"] == 0.9
+    assert any("kv_cache_dtype" in note for note in plan["notes"])
 
 
 @pytest.mark.parametrize(
@@ -49,6 +50,8 @@ def test_the_plan_of_a_good_file():
         ({"ray_config": {"num_replicas": 3, "max_replicas": 2}}, "max_replicas"),
         ({"ray_config": {"placement_strategy": "TIGHT"}}, "placement_strategy"),
         ({"gateway": {"routing": "random"}}, "routing"),
+        ({"engine_args": {"device": "tpu"}}, "engine_args.device"),
+        ({"ray_config": {"resources_per_replica": {"CPU": 2, "GPU": 1}}}, "one GPU per rank"),
         ({"gateway": {"prot": 1}}, "'prot'"),
         ({"deployment_config": {"served_name": "x"}}, "'served_name'"),
     ],

@@ -23,8 +23,9 @@ class SeqLayout:
 
 
 class AttentionBackend(Protocol):
-    def allocate_cache(self, num_layers: int, num_blocks: int) -> list[Any]:
-        """Per-layer KV storage for ``num_blocks`` blocks."""
+    def allocate_cache(self, num_layers: int, num_blocks: int, host: bool = False) -> list[Any]:
+        """Per-layer KV storage for ``num_blocks`` blocks, on the backend's device (or in host
+        memory, pinned under a GPU, for swapped-out blocks)."""
         ...
 
     def is_row_wise(self, num_tokens: int, start_pos: int) -> bool:

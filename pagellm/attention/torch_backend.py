@@ -1,4 +1,6 @@
-"""CPU attention over the paged KV cache in plain PyTorch (also the reference for GPU backends).
+"""Attention over the paged KV cache in plain PyTorch: the CPU backend (with a C++ kernel for
+row-wise tokens), the reference for GPU backends, and what runs on a CUDA device until a
+Triton backend does (there, every path is torch's fused scaled-dot-product attention).
 
 Cache layout per layer: K and V each ``[num_kv_heads, num_blocks, block_size, head_dim]``, so one
 ``index_select`` over ``[kv_heads * blocks, block_size * head_dim]`` rows gathers a batch's
@@ -10,7 +12,8 @@ also prefill chunks whose attention work (tokens x context) is small, each of th
 a row that sees the positions up to its own. The kernel reads K/V in place through the block
 table; without it, decode rows gather their blocks into a buffer padded to the longest context.
 The remaining prefill chunks are attended one sequence at a time with GEMMs, causal within the
-chunk and over the cached prefix.
+chunk and over the cached prefix. Metadata is built on the host and moved to the device once per
+step.
 """
 
 from __future__ import annotations
@@ -59,10 +62,15 @@ class TorchAttentionBackend:
         block_size: int,
         dtype: torch.dtype,
         decode_kernel: PagedDecodeKernel | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
+        self.device = torch.device(device)
+        on_cpu = self.device.type == "cpu"
         self.decode_kernel = (
-            decode_kernel if decode_kernel and decode_kernel.supports(dtype) else None
+            decode_kernel if on_cpu and decode_kernel and decode_kernel.supports(dtype) else None
         )
+        self.fused_sdpa = not on_cpu
+        """On a GPU, reduced precision also goes through SDPA (flash / memory-efficient)."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
@@ -82,10 +90,17 @@ class TorchAttentionBackend:
             return False
         return num_tokens * (start_pos + num_tokens) <= self.ROW_WISE_WORK_LIMIT
 
-    def allocate_cache(self, num_layers: int, num_blocks: int) -> list[tuple[torch.Tensor, ...]]:
+    def allocate_cache(
+        self, num_layers: int, num_blocks: int, host: bool = False
+    ) -> list[tuple[torch.Tensor, ...]]:
         shape = (self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
+        device = "cpu" if host else self.device
+        pin = host and self.device.type == "cuda"
         return [
-            (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+            tuple(
+                torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
+                for _ in range(2)
+            )
             for _ in range(num_layers)
         ]
 
@@ -117,6 +132,8 @@ class TorchAttentionBackend:
         )
         if rows:
             self._row_metadata(meta, rows, num_blocks)
+        if self.device.type != "cpu":
+            _move_to(meta, self.device)
         return meta
 
     def _row_metadata(
@@ -151,8 +168,8 @@ class TorchAttentionBackend:
             ~valid.view(len(decodes), 1, 1, context), float("-inf")
         )
         shape = (len(decodes), self.num_kv_heads, context, self.head_dim)
-        meta.k_buf = torch.empty(shape, dtype=self.dtype)
-        meta.v_buf = torch.empty(shape, dtype=self.dtype)
+        meta.k_buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+        meta.v_buf = torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def _prefill_chunks(
         self, seqs: list[SeqLayout], token_start: int, num_blocks: int
@@ -219,7 +236,7 @@ class TorchAttentionBackend:
         self._gather(k_cache, meta.decode_gather_idx, meta.k_buf)
         self._gather(v_cache, meta.decode_gather_idx, meta.v_buf)
         keys, values = meta.k_buf, meta.v_buf  # [B, Hkv, L, D]
-        if q.dtype == torch.float32:
+        if q.dtype == torch.float32 or self.fused_sdpa:
             qh = q.view(b, self.num_heads, 1, self.head_dim)
             out = F.scaled_dot_product_attention(
                 qh, keys, values, attn_mask=meta.decode_mask, enable_gqa=True
@@ -249,10 +266,10 @@ class TorchAttentionBackend:
             shape = (self.num_kv_heads, -1, self.head_dim)
             keys = self._gather(k_cache, chunk.gather_idx, None).view(shape)[:, :ctx]
             values = self._gather(v_cache, chunk.gather_idx, None).view(shape)[:, :ctx]
-        if q.dtype == torch.float32:
+        if q.dtype == torch.float32 or self.fused_sdpa:
             mask = None
             if chunk.gather_idx is not None:
-                mask = _causal_mask(chunk.start_pos, n, torch.bool)
+                mask = _causal_mask(chunk.start_pos, n, torch.bool, q.device)
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0),
                 keys.unsqueeze(0),
@@ -264,15 +281,34 @@ class TorchAttentionBackend:
             return out.squeeze(0).transpose(0, 1)
         qg = q.view(n, self.num_kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)
         qg = qg.reshape(self.num_kv_heads, self.group * n, self.head_dim)
-        mask = _causal_mask(chunk.start_pos, n, torch.float32).repeat(self.group, 1)
+        mask = _causal_mask(chunk.start_pos, n, torch.float32, q.device).repeat(self.group, 1)
         out = self._grouped_attention(qg, keys, values, mask)  # [Hkv, G * n, D]
         out = out.view(self.num_kv_heads, self.group, n, self.head_dim)
         return out.permute(2, 0, 1, 3).reshape(n, self.num_heads, self.head_dim)
 
 
-def _causal_mask(start: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+def _causal_mask(start: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """[n, start + n]: query i (at position start + i) sees keys at positions <= start + i."""
-    allowed = torch.arange(start + n).unsqueeze(0) <= torch.arange(start, start + n).unsqueeze(1)
+    keys = torch.arange(start + n, device=device).unsqueeze(0)
+    allowed = keys <= torch.arange(start, start + n, device=device).unsqueeze(1)
     if dtype == torch.bool:
         return allowed
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    zeros = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return zeros.masked_fill_(~allowed, float("-inf"))
+
+
+def _move_to(meta: TorchAttentionMetadata, device: torch.device) -> None:
+    """The host-built index tensors onto the device (the buffers were made there)."""
+    for name in (
+        "slot_mapping",
+        "row_block_tables",
+        "row_context_lens",
+        "decode_gather_idx",
+        "decode_mask",
+    ):
+        value = getattr(meta, name)
+        if value is not None:
+            setattr(meta, name, value.to(device, non_blocking=True))
+    for chunk in meta.prefills:
+        if chunk.gather_idx is not None:
+            chunk.gather_idx = chunk.gather_idx.to(device, non_blocking=True)

@@ -160,7 +160,7 @@ def render(report: dict[str, Any]) -> str:
     )
     lines = [
         f"pagellm bench throughput: {source} dtype={cfg.get('resolved_dtype', cfg.get('dtype'))} "
-        f"threads={report.get('num_threads')} torch={report.get('torch_version')}",
+        f"device={cfg.get('resolved_device', 'cpu')} threads={report.get('num_threads')} torch={report.get('torch_version')}",
         format_table(_HEADERS, rows),
         f"pagellm: peak memory {engine['peak_memory_mib']:.0f} MiB{_rss_after(engine)}, "
         f"peak KV usage {100 * engine['peak_kv_usage_frac']:.1f}%, "

@@ -206,7 +206,6 @@ def run(args: argparse.Namespace) -> int:
     """The ``pagellm bench throughput`` command."""
     from pagellm.cli import engine_kwargs
     from pagellm.llm import LLM
-    from pagellm.runner.loader import resolve_dtype
 
     _check_args(args)
     if args.num_threads:
@@ -216,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
     requests = _load_requests(args)
     llm = LLM(**engine_kwargs(args))
     try:
+        resolved = _resolved(llm)
         engine = run_engine(llm, requests, args.progress)
     finally:
         llm.shutdown()  # worker ranks, if any
@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     baseline = None
     if args.baseline == "hf":
         baseline = _run_baseline(args, requests)
-    config = _config(args, str(resolve_dtype(args.dtype)).removeprefix("torch."))
+    config = _config(args, resolved)
     report = rep.build_report(config, engine, baseline, workload_summary(requests))
     if args.output_json:
         rep.write_report(args.output_json, report)
@@ -267,9 +267,18 @@ def _run_baseline(args: argparse.Namespace, requests: list[BenchRequest]) -> dic
     )
 
 
-def _config(args: argparse.Namespace, resolved_dtype: str) -> dict[str, Any]:
+def _resolved(llm: Any) -> dict[str, str]:
+    """The dtype and device ``auto`` came to (rank 0's, under parallelism)."""
+    runner = getattr(llm.engine.executor, "runner", llm.engine.executor)
+    return {
+        "resolved_dtype": str(runner.dtype).removeprefix("torch."),
+        "resolved_device": str(runner.device),
+    }
+
+
+def _config(args: argparse.Namespace, resolved: dict[str, str]) -> dict[str, Any]:
     config = {k: v for k, v in vars(args).items() if k != "func"}
-    config["resolved_dtype"] = resolved_dtype
+    config.update(resolved)
     return config
 
 

@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagellm.config import EngineConfig, flat_fields
+from pagellm.config import DEVICES, EngineConfig, flat_fields
 
 # vLLM engine arguments pagellm accepts only at the values that mean "nothing special".
 _VLLM_ONLY = {
     "quantization": (None,),
     "kv_cache_dtype": ("auto", None),
-    "gpu_memory_utilization": None,  # any value: noted in the plan, not used on CPU
     "trust_remote_code": (False, None),
 }
 
@@ -225,7 +224,7 @@ def _engine_args(values: Any, where: str) -> tuple[dict[str, Any], list[str]]:
                 raise ClusterConfigError(
                     f"{where}: engine_args.{key}={value!r} is not supported by pagellm"
                 )
-            notes.append(f"engine_args.{key}={value!r} accepted and not used (CPU replicas)")
+            notes.append(f"engine_args.{key}={value!r} accepted and not used")
             continue
         if key not in fields_by_name:
             raise ClusterConfigError(f"{where}: engine_args: unknown key {key!r}")
@@ -243,6 +242,15 @@ def _check(config: ClusterConfig, where: str) -> None:
     if r.placement_strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
         raise ClusterConfigError(
             f"{where}: ray_config.placement_strategy {r.placement_strategy!r} is not a Ray strategy"
+        )
+    if config.engine_args.get("device", "auto") not in DEVICES:
+        raise ClusterConfigError(f"{where}: engine_args.device must be one of {DEVICES}")
+    gpus = r.resources_per_replica.get("GPU", 0)
+    if gpus and gpus != config.world_size:
+        raise ClusterConfigError(
+            f"{where}: ray_config.resources_per_replica.GPU={gpus:g} must equal the replica's "
+            f"ranks ({config.world_size} = tensor_parallel_size x pipeline_parallel_size): "
+            "one GPU per rank"
         )
     from pagellm.gateway.routing import ROUTING_POLICIES
 

@@ -17,7 +17,11 @@ class Linear(nn.Linear):
 
     def pack(self, batch_hint: int = 256) -> bool:
         """Pack the weight for oneDNN; returns False where packing does not apply."""
-        if self.weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        if (
+            self.weight.dtype != torch.bfloat16
+            or self.weight.device.type != "cpu"
+            or not torch.backends.mkldnn.is_available()
+        ):
             return False
         try:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)

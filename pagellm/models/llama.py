@@ -163,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
     def finish_loading(self) -> None:
         """After ``to_empty`` + ``load_weights``: recompute float32 rotary tables, re-tie,
         zero the padding rows of a vocabulary split that does not divide evenly."""
-        rotary = self._make_rotary()
+        rotary = self._make_rotary().to(next(self.parameters()).device)
         for layer in self.layers:
             layer.self_attn.rotary = rotary
         if self.arch.tie_word_embeddings and self.lm_head is not None:

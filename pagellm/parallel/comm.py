@@ -4,13 +4,14 @@ timeout so that a dead or stuck rank surfaces as an error instead of a hang.
 Groups are built from a TCP store held by rank 0 (on loopback, or on its node's address when
 the ranks are Ray actors that may sit on other nodes), without torch.distributed's
 global default group (several replicas or test engines may live in one process). CPU ranks use
-gloo. A GPU build would make the same groups with NCCL; pagellm's runner is CPU-only today, so
-that path is not built here.
+gloo; GPU ranks (one card each) use NCCL with blocking waits, so that a timeout raises here
+instead of NCCL's watchdog tearing the process down.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any
 
 import torch
@@ -43,6 +44,16 @@ def _gloo(store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
 
 
+def _nccl(store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float):
+    if not dist.is_nccl_available():
+        raise RuntimeError(f"torch {torch.__version__} has no NCCL: GPU ranks cannot talk")
+    # read when the group is made: wait() then blocks and raises on timeout or a peer's failure
+    os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, size, options)
+
+
 class Collectives:
     """What one rank can say to the others inside a step: all-reduce and all-gather within its
     TP group, and activations to and from its peers in other stages. (The step itself reaches
@@ -54,17 +65,24 @@ class Collectives:
         store: dist.Store | None,
         timeout_s: float,
         host: str = LOOPBACK,
+        device: torch.device | None = None,
     ) -> None:
         self.layout = layout
         self.timeout_s = timeout_s
+        self.device = device or torch.device("cpu")
         self.store = store  # kept alive as long as the groups made from it
         self.world = None
         self.tp = None
+
+        def group(prefix: str, rank: int, size: int):
+            if self.device.type == "cuda":
+                return _nccl(store, prefix, rank, size, timeout_s)
+            return _gloo(store, prefix, rank, size, timeout_s, host)
+
         if layout.world_size > 1:
-            self.world = _gloo(store, "world", layout.rank, layout.world_size, timeout_s, host)
+            self.world = group("world", layout.rank, layout.world_size)
         if layout.tp_size > 1:
-            prefix = f"tp{layout.stage}"
-            self.tp = _gloo(store, prefix, layout.tp_rank, layout.tp_size, timeout_s, host)
+            self.tp = group(f"tp{layout.stage}", layout.tp_rank, layout.tp_size)
 
     @classmethod
     def single(cls) -> Collectives:
@@ -109,6 +127,6 @@ class Collectives:
             self._wait(work, f"send to rank {dst}")
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
         self._wait(self.world.recv([out], src, 0), f"receive from rank {src}")
         return out

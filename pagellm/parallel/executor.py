@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from pagellm.config import CacheConfig, ParallelConfig
+from pagellm.config import CacheConfig, ParallelConfig, SchedulerConfig
 from pagellm.engine.outputs import RunnerOutput, SchedulerOutput
 from pagellm.parallel.comm import LOOPBACK, Collectives, RankFailed, open_store
 from pagellm.parallel.layout import RankLayout
@@ -32,7 +32,11 @@ class ParallelExecutor:
         cache: CacheConfig,
         swap: bool,
         parallel: ParallelConfig,
+        device: torch.device | None = None,
+        limits: SchedulerConfig | None = None,
     ) -> None:
+        device = device or torch.device("cpu")
+        limits = limits or SchedulerConfig()
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         world = tp * pp
         timeout = parallel.distributed_timeout
@@ -51,16 +55,18 @@ class ParallelExecutor:
                 cache, swap, timeout, threads, parallel.worker_cls, tuple(sys.path),
                 microbatches=microbatches,
                 own_host=host,  # a Ray worker rank replaces it with its own node's address
+                device=device.type, device_index=rank, limits=limits,
             )
             for rank in range(1, world)
         ]  # fmt: skip
         self.ranks: WorkerRanks = RayRanks(specs, timeout) if on_ray else ProcessRanks(specs)
         try:
             torch.set_num_threads(threads)  # rank 0 shares the cores with its workers
-            comm = Collectives(RankLayout(tp, pp, 0), self.store, timeout, host)
-            self.runner = ModelRunner(files, dtype, cache, swap, comm, microbatches)
+            comm = Collectives(RankLayout(tp, pp, 0), self.store, timeout, host, device)
+            self.runner = ModelRunner(files, dtype, cache, swap, comm, microbatches, device, limits)
             own = WorkerReport(0, self.runner.num_blocks, self.runner.num_host_blocks,
-                               self.runner.memory_bytes(), _node_id() if on_ray else "local")  # fmt: skip
+                               self.runner.memory_bytes(), _node_id() if on_ray else "local",
+                               str(device))  # fmt: skip
             self.reports = [own, *self.ranks.reports()]
         except BaseException as exc:
             self.failed = exc

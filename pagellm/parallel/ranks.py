@@ -117,7 +117,8 @@ class RankActor:
 
         from pagellm.parallel.worker import build_runner, report_of
 
-        spec = dataclasses.replace(spec, own_host=ray.util.get_node_ip_address())
+        # Ray shows this actor only the GPU it gave it (CUDA_VISIBLE_DEVICES): index 0
+        spec = dataclasses.replace(spec, own_host=ray.util.get_node_ip_address(), device_index=0)
         self.runner = build_runner(spec)
         node = ray.get_runtime_context().get_node_id()
         self._report = report_of(spec.layout.rank, self.runner, node)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from pagellm.config import CacheConfig
+from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.parallel.layout import RankLayout
 
 
@@ -36,6 +36,13 @@ class WorkerSpec:
     microbatches: int = 1
     own_host: str = "127.0.0.1"
     """The address this rank's gloo connections use (its node's address under Ray)."""
+    device: str = "cpu"
+    """cpu or cuda: the kind rank 0 resolved; every rank runs on the same kind."""
+    device_index: int = 0
+    """Which visible GPU this rank takes (its rank on one machine; 0 in a Ray actor, which
+    sees only the GPU Ray gave it)."""
+    limits: SchedulerConfig = SchedulerConfig()
+    """The largest step the scheduler may send (what a GPU rank profiles its memory with)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +53,7 @@ class WorkerReport:
     memory: dict[str, int]
     node: str = "local"
     """The Ray node the rank runs on (``local`` for a spawned process)."""
+    device: str = "cpu"
 
 
 def runner_class(name: str) -> type:
@@ -84,17 +92,21 @@ def build_runner(spec: WorkerSpec):
     import torch
 
     from pagellm.parallel.comm import Collectives, join_store
+    from pagellm.runner.device import resolve_device
     from pagellm.runner.loader import open_model, resolve_dtype
 
     torch.set_num_threads(spec.threads)
+    device = resolve_device(spec.device, spec.device_index)
     store = join_store(spec.store_host, spec.store_port, spec.layout.world_size, spec.timeout_s)
-    comm = Collectives(spec.layout, store, spec.timeout_s, spec.own_host)
+    comm = Collectives(spec.layout, store, spec.timeout_s, spec.own_host, device)
     files = open_model(Path(spec.model_source))
     cls = runner_class(spec.worker_cls)
-    return cls(files, resolve_dtype(spec.dtype), spec.cache, spec.swap, comm, spec.microbatches)
+    dtype = resolve_dtype(spec.dtype, device)
+    return cls(files, dtype, spec.cache, spec.swap, comm, spec.microbatches, device, spec.limits)
 
 
 def report_of(rank: int, runner, node: str = "local") -> WorkerReport:
+    device = str(getattr(runner, "device", "cpu"))
     return WorkerReport(
-        rank, runner.num_blocks, runner.num_host_blocks, runner.memory_bytes(), node
+        rank, runner.num_blocks, runner.num_host_blocks, runner.memory_bytes(), node, device
     )

@@ -22,8 +22,10 @@ def resolve_source(model: str | None) -> Path:
     return path
 
 
-def resolve_dtype(dtype: str) -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device | str = "cpu") -> torch.dtype:
     if dtype == "auto":
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if _cpu_has_bf16() else torch.float32
     table = {
         "float32": torch.float32,
@@ -34,7 +36,7 @@ def resolve_dtype(dtype: str) -> torch.dtype:
         "fp16": torch.float16,
     }
     if dtype not in table:
-        raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32 or bfloat16")
+        raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     return table[dtype]
 
 
@@ -68,14 +70,21 @@ def open_model(source: Path) -> ModelFiles:
     return ModelFiles(source, ModelArch.from_hf_config(json.loads(config_file.read_text())))
 
 
-def load_model(files: ModelFiles, dtype: torch.dtype, backend: Any, comm: Any = None) -> nn.Module:
-    """The model (this rank's part of it under ``comm``), weights loaded, in eval mode."""
+def load_model(
+    files: ModelFiles,
+    dtype: torch.dtype,
+    backend: Any,
+    comm: Any = None,
+    device: torch.device | str = "cpu",
+) -> nn.Module:
+    """The model (this rank's part of it under ``comm``) on ``device``, weights loaded (read on
+    the host, copied in one tensor at a time), in eval mode."""
     arch, gguf_model, source = files.arch, files.gguf, files.path
     cls = resolve_model_class(arch.architecture)
     freq_factors = gguf_model.rope_freq_factors() if gguf_model is not None else None
     with torch.device("meta"):
         model = cls(arch, backend, freq_factors, comm).to(dtype)
-    model = model.to_empty(device="cpu")
+    model = model.to_empty(device=device)
     weights = gguf_model.tensors() if gguf_model is not None else _safetensors(source)
     model.load_weights(weights)  # copy_ casts to the model's dtype
     model.finish_loading()

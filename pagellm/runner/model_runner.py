@@ -7,6 +7,10 @@ Under tensor/pipeline parallelism every rank runs this same step on its part of 
 step's SchedulerOutput is broadcast to all): a stage after the first receives the previous
 stage's activations, a stage before the last sends its own on, and only rank 0 samples (the last
 stage sends it the logits). Every rank's KV cache holds its own heads of its own layers.
+
+On a GPU (``device``), the step's index tensors are built on the host and copied over once;
+weights, KV cache and activations stay on the card, and only the sampled rows' logits (or,
+for a greedy batch, the chosen ids) come back to the host.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ import torch
 
 from pagellm.attention.backend import SeqLayout, cache_bytes_per_block
 from pagellm.attention.torch_backend import TorchAttentionBackend
-from pagellm.config import GIB, CacheConfig
+from pagellm.config import GIB, CacheConfig, SchedulerConfig
 from pagellm.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagellm.kernels.paged_attention import load_paged_decode_kernel
 from pagellm.models.arch import ModelArch
 from pagellm.parallel.comm import Collectives
+from pagellm.runner.device import gpu_kv_budget
 from pagellm.runner.loader import ModelFiles, load_model
 from pagellm.runner.malloc import keep_heap_memory
 from pagellm.sampling.sampler import Sampler
@@ -39,12 +44,16 @@ class StepInputs:
 
 
 def num_blocks_for(
-    arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, comm: Collectives | None = None
+    arch: ModelArch,
+    cache: CacheConfig,
+    dtype: torch.dtype,
+    comm: Collectives | None = None,
+    budget_bytes: int | None = None,
 ) -> int:
-    """KV blocks that fit this rank's budget (``kv_cache_memory`` is per rank)."""
-    return _blocks_in(
-        cache.kv_cache_memory, cache.num_gpu_blocks_override, arch, cache, dtype, comm
-    )
+    """KV blocks that fit this rank's budget: ``budget_bytes`` when given (a GPU's), else
+    ``kv_cache_memory`` GiB (per rank)."""
+    gib = cache.kv_cache_memory if budget_bytes is None else budget_bytes / GIB
+    return _blocks_in(gib, cache.num_gpu_blocks_override, arch, cache, dtype, comm)
 
 
 def num_host_blocks_for(
@@ -89,9 +98,13 @@ class ModelRunner:
         swap: bool = False,
         comm: Collectives | None = None,
         microbatches: int = 1,
+        device: torch.device | None = None,
+        limits: SchedulerConfig | None = None,
     ) -> None:
         arch = files.arch
-        keep_heap_memory()
+        self.device = device = device or torch.device("cpu")
+        if device.type == "cpu":
+            keep_heap_memory()
         self.arch = arch
         self.dtype = dtype
         self.block_size = cache.block_size
@@ -103,19 +116,47 @@ class ModelRunner:
             arch.head_dim,
             cache.block_size,
             dtype,
-            decode_kernel=load_paged_decode_kernel(),
+            decode_kernel=load_paged_decode_kernel() if device.type == "cpu" else None,
+            device=device,
         )
-        self.model = load_model(files, dtype, self.backend, comm)
+        self.model = load_model(files, dtype, self.backend, comm, device)
         layers = layout.layers(arch.num_layers).count
-        self.num_blocks = num_blocks_for(arch, cache, dtype, comm)
+        budget = None
+        if device.type == "cuda" and cache.num_gpu_blocks_override is None:
+            limits = limits or SchedulerConfig()
+            budget = gpu_kv_budget(
+                device, cache.gpu_memory_utilization, lambda: self.profile_step(limits)
+            )
+        self.num_blocks = num_blocks_for(arch, cache, dtype, comm, budget)
         self.kv_caches = self.backend.allocate_cache(layers, self.num_blocks)
         self.num_host_blocks = num_host_blocks_for(arch, cache, dtype, comm) if swap else 0
-        self.host_caches = self.backend.allocate_cache(layers, self.num_host_blocks)
-        """Separate host tensors for swapped-out KV (pinned host memory once on a GPU)."""
+        self.host_caches = self.backend.allocate_cache(layers, self.num_host_blocks, host=True)
+        """Separate host tensors for swapped-out KV (pinned under a GPU)."""
         self.sampler = Sampler()
         self.microbatches = microbatches if layout.pp_size > 1 else 1
         """Micro-batches per step under pipeline parallelism (one stage per process works on
         one while the next stage works on the one before)."""
+
+    def profile_step(self, limits: SchedulerConfig) -> None:
+        """This rank's part of a largest step (one prefill of ``max_num_batched_tokens``) and its
+        logits, on a throwaway cache: the activation peak a real step can reach. Ranks of one
+        stage run it together (its all-reduces); stages do not talk (a later stage is handed
+        zeros for its input)."""
+        layout = self.comm.layout
+        n = max(1, min(limits.max_num_batched_tokens, self.arch.max_position_embeddings))
+        blocks = -(-n // self.block_size)
+        layers = layout.layers(self.arch.num_layers).count
+        caches = self.backend.allocate_cache(layers, blocks)
+        meta = self.backend.build_metadata([SeqLayout(n, 0, list(range(blocks)))], blocks)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        positions = torch.arange(n, device=self.device)
+        received = None
+        if not layout.is_first_stage:
+            received = torch.zeros(n, self.arch.hidden_size, dtype=self.dtype, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model(ids, positions, caches, meta, received)
+            if layout.is_last_stage:
+                self.model.compute_logits(hidden[: min(n, limits.max_num_seqs)])
 
     def memory_bytes(self) -> dict[str, int]:
         """What this rank holds: its weights and its KV cache, in bytes."""
@@ -131,7 +172,7 @@ class ModelRunner:
         if sched.is_empty:
             return RunnerOutput({})
         groups = split_batch(sched.scheduled, self.microbatches)
-        parts = [prepare_inputs(g, self.backend.is_row_wise) for g in groups]
+        parts = [prepare_inputs(g, self.backend.is_row_wise, self.device) for g in groups]
         sample_reqs = [r for part in parts for r in part.sample_reqs]
         with torch.inference_mode():
             logits = self._logits(parts)
@@ -164,7 +205,7 @@ class ModelRunner:
             if not layout.is_last_stage:
                 sends.append(comm.isend(hidden, layout.peer_in_stage(layout.stage + 1)))
             elif inputs.sample_rows:
-                rows = torch.tensor(inputs.sample_rows, dtype=torch.long)
+                rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
                 logits = self.model.compute_logits(hidden.index_select(0, rows))  # TP gather
                 if layout.rank == 0:
                     outputs.append(logits)
@@ -205,18 +246,22 @@ def copy_blocks(
     dst: list[tuple[torch.Tensor, ...]],
     pairs: list[tuple[int, int]],
 ) -> None:
-    """Copy KV blocks ``src_block -> dst_block`` in every layer (K and V)."""
+    """Copy KV blocks ``src_block -> dst_block`` in every layer (K and V), also between a
+    GPU cache and host memory."""
     if not pairs:
         return
-    src_ids = torch.tensor([a for a, _ in pairs], dtype=torch.long)
-    dst_ids = torch.tensor([b for _, b in pairs], dtype=torch.long)
+    src_dev, dst_dev = src[0][0].device, dst[0][0].device
+    src_ids = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=src_dev)
+    dst_ids = torch.tensor([b for _, b in pairs], dtype=torch.long, device=dst_dev)
     for src_layer, dst_layer in zip(src, dst, strict=True):
         for s, d in zip(src_layer, dst_layer, strict=True):  # [kv_heads, blocks, block, dim]
-            d.index_copy_(1, dst_ids, s.index_select(1, src_ids))
+            d.index_copy_(1, dst_ids, s.index_select(1, src_ids).to(dst_dev))
 
 
 def prepare_inputs(
-    scheduled: list[ScheduledRequest], row_wise: Callable[[int, int], bool]
+    scheduled: list[ScheduledRequest],
+    row_wise: Callable[[int, int], bool],
+    device: torch.device | None = None,
 ) -> StepInputs:
     """Flatten the step's tokens; sequences the backend attends row-wise come first."""
     first = [row_wise(s.num_tokens, s.start_pos) for s in scheduled]
@@ -236,8 +281,8 @@ def prepare_inputs(
             sample_reqs.append(s)
     return StepInputs(
         order,
-        torch.tensor(ids, dtype=torch.long),
-        torch.tensor(positions, dtype=torch.long),
+        torch.tensor(ids, dtype=torch.long).to(device or "cpu", non_blocking=True),
+        torch.tensor(positions, dtype=torch.long).to(device or "cpu", non_blocking=True),
         layouts,
         sample_rows,
         sample_reqs,

@@ -33,7 +33,8 @@ class Sampler:
 
         A pure greedy batch takes the argmax of the logits widened to float32 (exact, and
         torch's float32 argmax is ~2x faster on CPU than its bf16 one); everything else works
-        in float32.
+        in float32 on the host (per-request generators are CPU ones, so a seed gives the same
+        tokens on every device).
         """
         simple = all(
             r.params.greedy
@@ -44,7 +45,7 @@ class Sampler:
         )
         if simple:
             return SampleResult(logits.float().argmax(dim=-1).tolist(), [None] * len(reqs))
-        raw = logits.float()
+        raw = logits.float().cpu()
         logits = raw.clone()
         for i, req in enumerate(reqs):
             _apply_penalties(logits[i], req)

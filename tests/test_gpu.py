@@ -1,0 +1,89 @@
+"""What runs on CUDA GPUs: greedy outputs on a GPU equal the CPU's (fp32) with chunked prefill,
+prefix-cache hits and both kinds of preemption (swap copies blocks between the card and pinned
+host memory); the KV cache is sized from --gpu-memory-utilization; with two GPUs or more,
+tensor and pipeline parallelism over NCCL equal one GPU and a killed rank fails the step.
+Skipped on machines without a GPU (CI); run with ``pytest -m gpu`` where one is."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from pagellm.parallel.comm import RankFailed
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+PROMPTS = [
+    "Hello there, how are",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31",
+    "a",
+    "Shared system prompt. " * 6 + "first question",
+    "Shared system prompt. " * 6 + "second question",
+]
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+ENGINE = dict(dtype="float32", max_model_len=96, max_num_batched_tokens=32,
+              num_gpu_blocks_override=24, num_host_blocks_override=64, block_size=4)  # fmt: skip
+
+
+def _greedy(model, **kw) -> list[list[int]]:
+    with LLM(str(model), **{**ENGINE, **kw}) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        stats = llm.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0  # the hard paths ran
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_greedy_on_the_gpu_equals_the_cpu(tiny_models, preemption_mode):
+    model = tiny_models("llama")
+    cpu = _greedy(model, device="cpu", preemption_mode=preemption_mode)
+    assert _greedy(model, device="cuda", preemption_mode=preemption_mode) == cpu
+
+
+def test_the_kv_cache_takes_what_gpu_memory_utilization_leaves(tiny_models):
+    total = torch.cuda.mem_get_info()[1]
+    blocks = {}
+    for share in (0.02, 0.04):
+        settings = dict(device="cuda", max_model_len=512, gpu_memory_utilization=share)
+        with LLM(str(tiny_models("llama")), **settings) as llm:
+            runner = llm.engine.executor
+            kv = runner.memory_bytes()["kv_cache"]
+            assert kv < share * total
+            blocks[share] = runner.num_blocks
+            out = llm.generate(["The capital of France is"], GREEDY, use_tqdm=False)
+            assert out[0].outputs[0].token_ids
+    assert blocks[0.04] > 1.5 * blocks[0.02]  # the fixed part (weights, a step) is small
+
+
+@two_gpus
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_parallel_over_nccl_equals_one_gpu(tiny_models, tp, pp):
+    model = tiny_models("llama")
+    one = _greedy(model, device="cuda")
+    assert _greedy(model, device="cuda", tensor_parallel_size=tp, pipeline_parallel_size=pp) == one
+
+
+@two_gpus
+def test_a_killed_gpu_rank_fails_the_step(tiny_models):
+    llm = LLM(str(tiny_models("llama")), **ENGINE, device="cuda", tensor_parallel_size=2,
+              distributed_timeout=10.0)  # fmt: skip
+    try:
+        assert llm.generate(["hi"], GREEDY, use_tqdm=False)
+        os.kill(llm.engine.executor.ranks.pids()[0], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while llm.engine.executor_healthy() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not llm.engine.executor_healthy()
+        with pytest.raises(RankFailed):
+            llm.generate(["hi"], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
