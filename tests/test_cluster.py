@@ -2,7 +2,8 @@
 two raylets on loopback, each with one replica slot): the controller starts one replica, scales
 up to a second on the other node under a queue burst, a replica's process killed under load is
 restarted by Ray while the gateway routes around it (every request completes or ends with a
-clean error), the idle cluster scales back down, and `down` stops everything."""
+clean error), the idle cluster scales back down, and `down` stops everything. A killed
+controller is restarted by Ray and brings the gateway back at its address with fresh replicas."""
 
 from __future__ import annotations
 
@@ -171,3 +172,40 @@ def test_a_tensor_parallel_replica_places_its_ranks_on_two_nodes(ray_cluster, ti
         assert again.status_code == 200 and again.json()["choices"][0]["text"] == expected
     finally:
         api.down(config)
+
+
+def test_a_killed_controller_comes_back_with_its_gateway_and_replicas(ray_cluster, tiny_models):
+    from pagellm.cluster import api
+
+    config = _config(tiny_models("llama"), free_port())
+    config["ray_config"] = {**config["ray_config"], "name": "restarting-cluster",
+                            "max_replicas": 1}  # fmt: skip
+    gateway = api.up(config)
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+    try:
+        assert httpx.post(f"{gateway}/v1/completions", json=body, timeout=60).status_code == 200
+        before = api.status(config)
+        assert before["controller"]["restarted"] is False
+        old_replica = int(_up(before)[0]["load"]["pid"])
+        os.kill(before["controller"]["pid"], signal.SIGKILL)  # the gateway dies with it
+
+        def back() -> bool:
+            try:
+                now = api.status(config)
+            except Exception:  # noqa: BLE001 - the actor is restarting
+                return False
+            return now["controller"]["restarted"] and len(_up(now)) == 1
+
+        wait_until(back, timeout=180, what="Ray to restart the controller and its replica")
+        r = httpx.post(f"{gateway}/v1/completions", json=body, timeout=60)  # the same address
+        assert r.status_code == 200, r.text
+        after = api.status(config)
+        assert "controller: restarted by Ray" in "\n".join(after["events"])
+        assert int(_up(after)[0]["load"]["pid"]) != old_replica
+        with pytest.raises(ProcessLookupError):  # Ray ended the replica the dead one owned
+            os.kill(old_replica, 0)
+    finally:
+        with contextlib.suppress(api.ClusterError):
+            api.down(config)
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{gateway}/health", timeout=2)

@@ -27,7 +27,13 @@ GOOD = {
 
 def test_the_plan_of_a_good_file():
     plan = parse_cluster_config(GOOD).plan()
-    assert plan["replicas"] == {"initial": 2, "min": 1, "max": 4, "max_restarts": 3}
+    assert plan["replicas"] == {
+        "initial": 2,
+        "min": 1,
+        "max": 4,
+        "max_restarts": 3,
+        "controller_max_restarts": -1,
+    }
     assert plan["per_replica"]["ranks"] == 2
     bundles = plan["per_replica"]["placement_group"]["bundles"]
     assert bundles == [{"CPU": 2.0, "node_b": 0.5}] * 2  # the replica's resources per rank

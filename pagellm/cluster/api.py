@@ -69,6 +69,10 @@ def up(config: str | Path | dict[str, Any]) -> str:
     connect(cfg)
     if _controller(cfg) is not None:
         raise ClusterError(f"a cluster named {cfg.ray.name!r} is already up; `down` it first")
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # the gateway binds an address of this node: a restarted controller comes back here
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     controller = (
         ray.remote(ClusterController)
         .options(
@@ -76,8 +80,9 @@ def up(config: str | Path | dict[str, Any]) -> str:
             namespace=cfg.ray.namespace,
             lifetime="detached",
             num_cpus=0,
-            max_restarts=0,
-        )  # fmt: skip
+            max_restarts=cfg.ray.controller_max_restarts,
+            scheduling_strategy=here,
+        )
         .remote(raw)
     )
     try:

@@ -66,6 +66,10 @@ class RayConfig:
     addresses)."""
     max_restarts: int = 3
     """Times Ray restarts a replica's actor that died."""
+    controller_max_restarts: int = -1
+    """Times Ray restarts the controller (and the gateway in it) after its process dies; -1:
+    always. A restarted controller starts the gateway and num_replicas replicas afresh: Ray
+    ends the replicas and placement groups the dead one owned."""
     health_interval: float = 2.0
     """Seconds between the controller's looks at the replicas (and the autoscaler's)."""
     upscale_queue_depth: float = 4.0
@@ -126,7 +130,8 @@ class ClusterConfig:
             "model": self.deployment.model or "(default SmolLM2-135M-Instruct)",
             "served_model_name": self.deployment.served_model_name,
             "replicas": {"initial": self.ray.num_replicas, "min": self.min_replicas,
-                         "max": self.max_replicas, "max_restarts": self.ray.max_restarts},
+                         "max": self.max_replicas, "max_restarts": self.ray.max_restarts,
+                         "controller_max_restarts": self.ray.controller_max_restarts},
             "per_replica": {"ranks": self.world_size, "resources": self.ray.resources_per_replica,
                             "placement_group": {"strategy": self.ray.placement_strategy,
                                                 "bundles": self.bundles()}},

@@ -3,7 +3,9 @@ one actor each, restarted by Ray after a crash up to ``max_restarts``), runs the
 own process, keeps the gateway's replica list equal to the replicas that answer, and scales the
 replicas on queue depth. A replica whose actor is restarting leaves the gateway's list until it
 answers again (at its new address); one that stays silent longer than a start may take (Ray gave
-up restarting it) is replaced.
+up restarting it) is replaced. Ray restarts the controller itself when its process dies
+(``controller_max_restarts``); the replicas and placement groups it owned end with it, and the
+new controller starts the gateway and the replicas afresh, on its own.
 
 Like ReplicaServer, the class is plain; ``ray.remote`` is applied by ``pagellm.cluster.api``."""
 
@@ -12,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,11 +59,19 @@ class ClusterController:
         self._gateway: Any = None
         self._server: Any = None
         self._tasks: list[asyncio.Task] = []
+        self.restarted = _was_restarted()
+        if self.restarted:
+            import ray
+
+            self.events.append("controller: restarted by Ray; starting the gateway and replicas")
+            ray.get_runtime_context().current_actor.start.remote()  # runs once __init__ returns
 
     # ----- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> str:
         """Start the gateway and the initial replicas; returns the gateway's URL."""
+        if self._gateway is not None:
+            raise RuntimeError("the controller is started already")
         await self._start_gateway()
         await asyncio.gather(*(self._add_replica() for _ in range(self.config.ray.num_replicas)))
         self._tasks.append(asyncio.create_task(self._supervise()))
@@ -79,6 +91,7 @@ class ClusterController:
         g = self.config.gateway
         return {
             "gateway": f"http://{g.host}:{g.port}",
+            "controller": {"pid": os.getpid(), "restarted": self.restarted},
             "replicas": [
                 {"name": s.name, "url": s.url, "node": s.node, "state": "up" if s.url else "down",
                  "restarts": s.restarts, "load": s.load}
@@ -239,6 +252,15 @@ class ClusterController:
                 await self._remove(self.slots[-1], "scaled down")
         finally:
             self._scaling = False
+
+
+def _was_restarted() -> bool:
+    """Whether Ray restarted this actor (its API for it warns about an internal rename)."""
+    import ray
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ray.get_runtime_context().was_current_actor_reconstructed
 
 
 def _deployment(cfg: ClusterConfig) -> dict[str, Any]:
