@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from llm_helpers import MIXED_PROMPTS
 
 from pagellm import LLM, SamplingParams
 from pagellm.parallel.comm import RankFailed
@@ -22,13 +23,6 @@ pytestmark = [
 ]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
-PROMPTS = [
-    "Hello there, how are",
-    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31",
-    "a",
-    "Shared system prompt. " * 6 + "first question",
-    "Shared system prompt. " * 6 + "second question",
-]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 ENGINE = dict(dtype="float32", max_model_len=96, max_num_batched_tokens=32,
               num_gpu_blocks_override=24, num_host_blocks_override=64, block_size=4)  # fmt: skip
@@ -36,7 +30,7 @@ ENGINE = dict(dtype="float32", max_model_len=96, max_num_batched_tokens=32,
 
 def _greedy(model, **kw) -> list[list[int]]:
     with LLM(str(model), **{**ENGINE, **kw}) as llm:
-        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        outs = llm.generate(MIXED_PROMPTS, GREEDY, use_tqdm=False)
         stats = llm.get_stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0  # the hard paths ran
     return [o.outputs[0].token_ids for o in outs]

@@ -10,20 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
+from llm_helpers import MIXED_PROMPTS
 
 from pagellm import LLM
 from pagellm.engine.sampling_params import SamplingParams
 from pagellm.parallel.comm import RankFailed
 from pagellm.parallel.layout import RankLayout, Span
 
-PROMPTS = [
-    "Hello there, how are",
-    "The capital of France",
-    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31",
-    "a",
-    "Shared system prompt. " * 6 + "first question",
-    "Shared system prompt. " * 6 + "second question",
-]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 # small steps and a small cache: chunked prefill, prefix-cache hits and preemption all happen
 ENGINE = dict(dtype="float32", max_model_len=96, max_num_batched_tokens=32,
@@ -32,7 +25,7 @@ ENGINE = dict(dtype="float32", max_model_len=96, max_num_batched_tokens=32,
 
 def _greedy(model, **parallel) -> tuple[list[list[int]], list]:
     with LLM(str(model), **ENGINE, **parallel) as llm:
-        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        outs = llm.generate(MIXED_PROMPTS, GREEDY, use_tqdm=False)
         reports = getattr(llm.engine.executor, "reports", None)
         stats = llm.get_stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0  # the hard paths ran
