@@ -209,3 +209,28 @@ def test_a_killed_controller_comes_back_with_its_gateway_and_replicas(ray_cluste
             api.down(config)
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{gateway}/health", timeout=2)
+
+
+def test_ray_ranks_outside_a_cluster_get_a_placement_group_of_their_own(ray_cluster, tiny_models):
+    """``--distributed-executor-backend ray`` without `pagellm cluster`: the worker ranks are
+    placed on a group the executor makes (and removes), and answer as the spawned ones do."""
+    from ray.util.placement_group import placement_group_table
+
+    from pagellm import LLM, SamplingParams
+
+    def live_groups() -> int:
+        return sum(g["state"] == "CREATED" for g in placement_group_table().values())
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    settings = dict(dtype="float32", max_model_len=256, kv_cache_memory=0.02,
+                    tensor_parallel_size=2)  # fmt: skip
+    model = str(tiny_models("llama"))
+    with LLM(model, **settings) as spawned:
+        expected = spawned.generate(["hello world"], params, use_tqdm=False)[0].outputs[0]
+    before = live_groups()
+    with LLM(model, **settings, distributed_executor_backend="ray") as on_ray:
+        assert on_ray.engine.executor.ranks.own_group is not None
+        assert live_groups() == before + 1
+        got = on_ray.generate(["hello world"], params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == expected.token_ids
+    wait_until(lambda: live_groups() == before, what="the ranks' placement group to go")

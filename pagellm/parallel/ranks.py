@@ -147,7 +147,9 @@ class RankActor:
 
 class RayRanks:
     """Worker ranks as Ray actors, rank k on bundle k of the current placement group (so a
-    replica's ranks go where its placement group put them, across nodes if it spread them)."""
+    replica's ranks go where its placement group put them, across nodes if it spread them).
+    Outside one (``--distributed-executor-backend ray`` on its own), the ranks get a placement
+    group of their own, a CPU (and on GPUs a GPU) per worker rank, removed at shutdown."""
 
     def __init__(self, specs: list[WorkerSpec], timeout: float) -> None:
         import ray
@@ -155,13 +157,17 @@ class RayRanks:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.timeout = timeout
-        group = get_current_placement_group()
+        if not ray.is_initialized():  # joins RAY_ADDRESS's cluster, else starts one here
+            ray.init(include_dashboard=False, logging_level="warning")
+        current = get_current_placement_group()
+        self.own_group = None if current is not None else _own_group(specs, timeout * 5)
+        group = current or self.own_group
+        first = 0 if current is not None else 1  # rank 0 has no bundle in a group of our own
         self.actors = []
         for spec in specs:
-            bundle = {}
-            if group is not None:
-                bundle = dict(group.bundle_specs[spec.layout.rank])
-            strategy = PlacementGroupSchedulingStrategy(group, spec.layout.rank) if group else None
+            index = spec.layout.rank - first
+            bundle = dict(group.bundle_specs[index])
+            strategy = PlacementGroupSchedulingStrategy(group, index)
             options: dict[str, Any] = {
                 "num_cpus": bundle.pop("CPU", 0), "num_gpus": bundle.pop("GPU", 0),
                 "resources": {k: v for k, v in bundle.items() if not k.startswith("bundle")},
@@ -238,7 +244,24 @@ class RayRanks:
 
     def shutdown(self, timeout: float) -> None:
         import ray
+        from ray.util.placement_group import remove_placement_group
 
         for actor in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
+        if self.own_group is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.own_group)
+            self.own_group = None
+
+
+def _own_group(specs: list[WorkerSpec], timeout: float) -> Any:
+    """A placement group for worker ranks started outside any: one bundle per rank."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundle = {"CPU": 1.0, **({"GPU": 1.0} if specs[0].device == "cuda" else {})}
+    group = placement_group([dict(bundle) for _ in specs], strategy="PACK")
+    if not group.wait(timeout):
+        remove_placement_group(group)
+        raise RankFailed(f"Ray cannot place {len(specs)} worker ranks of {bundle} each")
+    return group
