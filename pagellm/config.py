@@ -101,6 +101,19 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class StepLimits:
+    """The largest step the scheduler may hand a runner: what a GPU rank profiles its
+    activation memory with before sizing its KV cache."""
+
+    max_tokens: int = 2048
+    """max_num_batched_tokens."""
+    max_seqs: int = 256
+    """max_num_seqs."""
+    max_model_len: int = 2048
+    """The longest context a sequence may reach."""
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs, composed from the per-area configs."""
 
@@ -108,6 +121,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def step_limits(self, max_model_len: int) -> StepLimits:
+        s = self.scheduler
+        return StepLimits(s.max_num_batched_tokens, s.max_num_seqs, max_model_len)
 
     @classmethod
     def from_flat(cls, **kwargs: Any) -> EngineConfig:

@@ -31,11 +31,11 @@ def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
 
         executor = ParallelExecutor(
             files, config.model.dtype, dtype, config.cache, swap, config.parallel, device,
-            config.scheduler,
+            config.step_limits(max_len),
         )  # fmt: skip
     else:
         executor = ModelRunner(
-            files, dtype, config.cache, swap=swap, device=device, limits=config.scheduler
+            files, dtype, config.cache, swap=swap, device=device, limits=config.step_limits(max_len)
         )
     engine = LLMEngine(config, executor, tokenizer, max_len, arch.vocab_size)
     return engine, tokenizer

@@ -48,13 +48,13 @@ def test_serve_with_cuda_without_a_gpu_exits_with_the_reason(tiny_models):
 
 def test_the_profile_step_leaves_the_kv_cache_alone(tiny_models):
     """The step a GPU rank measures its activation peak with runs on a throwaway cache."""
-    from pagellm.config import SchedulerConfig
+    from pagellm.config import StepLimits
 
     llm = tiny_llm(tiny_models)
     before = llm.generate(["hello world"], greedy([6]), use_tqdm=False)[0].outputs[0].token_ids
     runner = llm.engine.executor
     saved = [t.clone() for layer in runner.kv_caches for t in layer]
-    runner.profile_step(SchedulerConfig(max_num_batched_tokens=600, max_num_seqs=8))  # > 512
+    runner.profile_step(StepLimits(max_tokens=64, max_seqs=8, max_model_len=600))  # > 512
     now = [t for layer in runner.kv_caches for t in layer]
     assert all(torch.equal(a, b) for a, b in zip(saved, now, strict=True))
     after = llm.generate(["hello world"], greedy([6]), use_tqdm=False)[0].outputs[0].token_ids

@@ -1,11 +1,13 @@
 """What runs on CUDA GPUs: greedy outputs on a GPU equal the CPU's (fp32) with chunked prefill,
 prefix-cache hits and both kinds of preemption (swap copies blocks between the card and pinned
 host memory); the KV cache is sized from --gpu-memory-utilization; with two GPUs or more,
-tensor and pipeline parallelism over NCCL equal one GPU and a killed rank fails the step.
+tensor and pipeline parallelism over NCCL equal one GPU, and a rank that is killed, raises or
+hangs fails the step without taking rank 0 down.
 Skipped on machines without a GPU (CI); run with ``pytest -m gpu`` where one is."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -43,19 +45,28 @@ def test_greedy_on_the_gpu_equals_the_cpu(tiny_models, preemption_mode):
     assert _greedy(model, device="cuda", preemption_mode=preemption_mode) == cpu
 
 
-def test_the_kv_cache_takes_what_gpu_memory_utilization_leaves(tiny_models):
+def _blocks_within(model, share: float) -> int:
+    """The KV blocks a share of the card gives; a long-context, many-sequence run (the
+    padded decode buffers, prefix chunks) stays inside the share."""
     total = torch.cuda.mem_get_info()[1]
-    blocks = {}
-    for share in (0.02, 0.04):
-        settings = dict(device="cuda", max_model_len=512, gpu_memory_utilization=share)
-        with LLM(str(tiny_models("llama")), **settings) as llm:
-            runner = llm.engine.executor
-            kv = runner.memory_bytes()["kv_cache"]
-            assert kv < share * total
-            blocks[share] = runner.num_blocks
-            out = llm.generate(["The capital of France is"], GREEDY, use_tqdm=False)
-            assert out[0].outputs[0].token_ids
-    assert blocks[0.04] > 1.5 * blocks[0.02]  # the fixed part (weights, a step) is small
+    settings = dict(device="cuda", max_model_len=512, gpu_memory_utilization=share)
+    with LLM(str(model), **settings) as llm:
+        blocks = llm.engine.executor.num_blocks
+        torch.cuda.reset_peak_memory_stats()
+        long = ["word " * 400, *(["short one"] * 63)]
+        params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+        assert all(o.outputs[0].token_ids for o in llm.generate(long, params, use_tqdm=False))
+        assert torch.cuda.max_memory_reserved() <= share * total
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()  # the next engine must not count this one's cache
+    return blocks
+
+
+def test_the_kv_cache_takes_what_gpu_memory_utilization_leaves(tiny_models):
+    small = _blocks_within(tiny_models("llama"), 0.02)
+    large = _blocks_within(tiny_models("llama"), 0.04)
+    assert large > 1.5 * small  # the fixed part (weights, a step, the CUDA context) is small
 
 
 @two_gpus
@@ -79,5 +90,29 @@ def test_a_killed_gpu_rank_fails_the_step(tiny_models):
         assert not llm.engine.executor_healthy()
         with pytest.raises(RankFailed):
             llm.generate(["hi"], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+@two_gpus
+@pytest.mark.parametrize(
+    ("worker_cls", "expected"),
+    [
+        ("parallel_faults:RaisingRunner", "injected worker failure"),
+        ("parallel_faults:HangingRunner", "all-reduce failed"),  # NCCL's blocking wait timed out
+    ],
+)
+def test_a_gpu_rank_that_raises_or_hangs_fails_the_request(tiny_models, worker_cls, expected):
+    """Over NCCL too, rank 0 raises RankFailed (and lives on) instead of hanging or being torn
+    down by NCCL's watchdog."""
+    llm = LLM(str(tiny_models("llama")), **ENGINE, device="cuda", tensor_parallel_size=2,
+              worker_cls=worker_cls, distributed_timeout=5.0)  # fmt: skip
+    try:
+        with pytest.raises(RankFailed, match=expected):
+            llm.generate(["hello", "world"], GREEDY, use_tqdm=False)
+        assert not llm.engine.executor_healthy()
+        time.sleep(10)  # past the watchdog's own timeout: this process is still here
+        with pytest.raises(RankFailed):
+            llm.generate(["again"], GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()

@@ -47,8 +47,10 @@ def _gloo(store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float
 def _nccl(store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float):
     if not dist.is_nccl_available():
         raise RuntimeError(f"torch {torch.__version__} has no NCCL: GPU ranks cannot talk")
-    # read when the group is made: wait() then blocks and raises on timeout or a peer's failure
+    # read when the group is made: wait() then blocks and raises on timeout or a peer's
+    # failure, and the watchdog only cleans up instead of tearing the process down
     os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = datetime.timedelta(seconds=timeout_s)
     return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, size, options)
@@ -87,6 +89,17 @@ class Collectives:
     @classmethod
     def single(cls) -> Collectives:
         return cls(RankLayout(), None, 0.0)
+
+    def barrier(self, name: str, timeout_s: float = 3600.0) -> None:
+        """Wait (through the store, up to ``timeout_s``) until every rank has reached ``name``."""
+        if self.store is None or self.layout.world_size == 1:
+            return
+        self.store.set(f"{name}/{self.layout.rank}", "1")
+        keys = [f"{name}/{r}" for r in range(self.layout.world_size)]
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:  # a rank never got there (died while loading)
+            raise RankFailed(f"ranks did not all reach {name!r}: {exc}") from exc
 
     def _wait(self, work: Any, what: str) -> None:
         try:

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from pagellm.config import CacheConfig, ParallelConfig, SchedulerConfig
+from pagellm.config import CacheConfig, ParallelConfig, StepLimits
 from pagellm.engine.outputs import RunnerOutput, SchedulerOutput
 from pagellm.parallel.comm import LOOPBACK, Collectives, RankFailed, open_store
 from pagellm.parallel.layout import RankLayout
@@ -33,10 +33,10 @@ class ParallelExecutor:
         swap: bool,
         parallel: ParallelConfig,
         device: torch.device | None = None,
-        limits: SchedulerConfig | None = None,
+        limits: StepLimits | None = None,
     ) -> None:
         device = device or torch.device("cpu")
-        limits = limits or SchedulerConfig()
+        limits = limits or StepLimits()
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         world = tp * pp
         timeout = parallel.distributed_timeout

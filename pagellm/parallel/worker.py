@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from pagellm.config import CacheConfig, SchedulerConfig
+from pagellm.config import CacheConfig, StepLimits
 from pagellm.parallel.layout import RankLayout
 
 
@@ -41,8 +41,7 @@ class WorkerSpec:
     device_index: int = 0
     """Which visible GPU this rank takes (its rank on one machine; 0 in a Ray actor, which
     sees only the GPU Ray gave it)."""
-    limits: SchedulerConfig = SchedulerConfig()
-    """The largest step the scheduler may send (what a GPU rank profiles its memory with)."""
+    limits: StepLimits = StepLimits()
 
 
 @dataclass(frozen=True, slots=True)

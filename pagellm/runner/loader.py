@@ -25,7 +25,8 @@ def resolve_source(model: str | None) -> Path:
 def resolve_dtype(dtype: str, device: torch.device | str = "cpu") -> torch.dtype:
     if dtype == "auto":
         if torch.device(device).type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+            return torch.bfloat16 if native else torch.float16
         return torch.bfloat16 if _cpu_has_bf16() else torch.float32
     table = {
         "float32": torch.float32,

@@ -22,7 +22,7 @@ import torch
 
 from pagellm.attention.backend import SeqLayout, cache_bytes_per_block
 from pagellm.attention.torch_backend import TorchAttentionBackend
-from pagellm.config import GIB, CacheConfig, SchedulerConfig
+from pagellm.config import GIB, CacheConfig, StepLimits
 from pagellm.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagellm.kernels.paged_attention import load_paged_decode_kernel
 from pagellm.models.arch import ModelArch
@@ -99,7 +99,7 @@ class ModelRunner:
         comm: Collectives | None = None,
         microbatches: int = 1,
         device: torch.device | None = None,
-        limits: SchedulerConfig | None = None,
+        limits: StepLimits | None = None,
     ) -> None:
         arch = files.arch
         self.device = device = device or torch.device("cpu")
@@ -123,7 +123,9 @@ class ModelRunner:
         layers = layout.layers(arch.num_layers).count
         budget = None
         if device.type == "cuda" and cache.num_gpu_blocks_override is None:
-            limits = limits or SchedulerConfig()
+            limits = limits or StepLimits()
+            # ranks load at their own pace; the profile's collectives must not time out on that
+            comm.barrier("loaded")
             budget = gpu_kv_budget(
                 device, cache.gpu_memory_utilization, lambda: self.profile_step(limits)
             )
@@ -137,26 +139,41 @@ class ModelRunner:
         """Micro-batches per step under pipeline parallelism (one stage per process works on
         one while the next stage works on the one before)."""
 
-    def profile_step(self, limits: SchedulerConfig) -> None:
-        """This rank's part of a largest step (one prefill of ``max_num_batched_tokens``) and its
-        logits, on a throwaway cache: the activation peak a real step can reach. Ranks of one
-        stage run it together (its all-reduces); stages do not talk (a later stage is handed
-        zeros for its input)."""
+    def profile_step(self, limits: StepLimits) -> None:
+        """This rank's part of the largest steps the scheduler may send, on a throwaway cache,
+        so that their activation peak is measured: a fresh prefill of ``max_tokens``, the same
+        chunk at the end of a ``max_model_len`` context, and ``max_seqs`` decodes that each see
+        a whole ``max_model_len`` context (their attention buffers are padded to the longest),
+        each with its logits. Ranks of one stage run them together (their all-reduces); stages
+        do not talk (a later stage is handed zeros for its input)."""
+        ctx = max(1, min(limits.max_model_len, self.arch.max_position_embeddings))
+        n = max(1, min(limits.max_tokens, ctx))
+        table = list(range(-(-ctx // self.block_size)))
+        layers = self.comm.layout.layers(self.arch.num_layers).count
+        caches = self.backend.allocate_cache(layers, len(table))
+        decodes = min(limits.max_seqs, limits.max_tokens)
+        for seqs in (
+            [SeqLayout(n, 0, table)],
+            [SeqLayout(n, ctx - n, table)],
+            [SeqLayout(1, ctx - 1, table)] * decodes,
+        ):
+            self._profile_forward(seqs, caches, min(len(seqs), limits.max_seqs))
+
+    def _profile_forward(self, seqs: list[SeqLayout], caches, sampled: int) -> None:
         layout = self.comm.layout
-        n = max(1, min(limits.max_num_batched_tokens, self.arch.max_position_embeddings))
-        blocks = -(-n // self.block_size)
-        layers = layout.layers(self.arch.num_layers).count
-        caches = self.backend.allocate_cache(layers, blocks)
-        meta = self.backend.build_metadata([SeqLayout(n, 0, list(range(blocks)))], blocks)
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        positions = torch.arange(n, device=self.device)
+        meta = self.backend.build_metadata(seqs, len(seqs[0].block_ids))
+        tokens = sum(s.num_tokens for s in seqs)
+        positions = [p for s in seqs for p in range(s.start_pos, s.start_pos + s.num_tokens)]
+        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long).to(self.device)
         received = None
         if not layout.is_first_stage:
-            received = torch.zeros(n, self.arch.hidden_size, dtype=self.dtype, device=self.device)
+            shape = (tokens, self.arch.hidden_size)
+            received = torch.zeros(shape, dtype=self.dtype, device=self.device)
         with torch.inference_mode():
-            hidden = self.model(ids, positions, caches, meta, received)
+            hidden = self.model(ids, pos, caches, meta, received)
             if layout.is_last_stage:
-                self.model.compute_logits(hidden[: min(n, limits.max_num_seqs)])
+                self.model.compute_logits(hidden[:sampled]).float()  # + the sampler's copy
 
     def memory_bytes(self) -> dict[str, int]:
         """What this rank holds: its weights and its KV cache, in bytes."""
@@ -194,7 +211,7 @@ class ModelRunner:
         micro-batch an earlier stage already computes the next."""
         layout, comm = self.comm.layout, self.comm
         last_stage_first_rank = layout.stage_ranks(layout.pp_size - 1)[0]
-        sends, outputs = [], []
+        sends, outputs, logits_out = [], [], []
         for inputs in parts:
             meta = self.backend.build_metadata(inputs.layouts, self.num_blocks)
             received = None
@@ -210,7 +227,11 @@ class ModelRunner:
                 if layout.rank == 0:
                     outputs.append(logits)
                 elif layout.rank == last_stage_first_rank:
-                    sends.append(comm.isend(logits, 0))
+                    logits_out.append(logits)
+        # Logits go back only after every micro-batch was received: rank 0 posts all its
+        # activation sends before its first logits receive, and NCCL runs one pair's
+        # point-to-point operations in order, so an earlier send back would deadlock.
+        sends += [comm.isend(logits, 0) for logits in logits_out]
         if layout.rank == 0 and not layout.is_last_stage:
             shape = (self.arch.vocab_size,)
             outputs = [
