@@ -53,7 +53,7 @@ def _blocks_within(model, share: float) -> int:
     with LLM(str(model), **settings) as llm:
         blocks = llm.engine.executor.num_blocks
         torch.cuda.reset_peak_memory_stats()
-        long = ["word " * 400, *(["short one"] * 63)]
+        long = ["word " * 350, *(["short one"] * 63)]
         params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
         assert all(o.outputs[0].token_ids for o in llm.generate(long, params, use_tqdm=False))
         assert torch.cuda.max_memory_reserved() <= share * total
