@@ -10,12 +10,11 @@ replica's torch threads to its CPU reservation). Prints a table with the ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
-from serve_side_by_side import add_gateway_bench_args, bench_serve, free_port
+from serve_side_by_side import add_gateway_bench_args, bench_serve, free_port, write_summary
 
 from pagellm.bench.report import format_table
 
@@ -58,9 +57,7 @@ def main() -> int:
         for r in runs
     ]  # fmt: skip
     table = format_table(["behind the gateway", "out tok/s", "vs 1", "TTFT p50", "TPOT p50"], rows)
-    print(table)
-    (out / "summary.txt").write_text(table + "\n")
-    (out / "cluster_replicas.json").write_text(json.dumps({"config": vars(args), "runs": runs}))
+    write_summary(out, table, "cluster_replicas", {"config": vars(args), "runs": runs})
     return 0
 
 

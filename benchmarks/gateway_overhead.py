@@ -10,7 +10,6 @@ prefix caching so no run reuses another's KV. Prints a table with the ratios and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from serve_side_by_side import (
     free_port,
     replica_cmd,
     server,
+    write_summary,
 )
 
 from pagellm.bench.report import format_table
@@ -74,9 +74,7 @@ def main() -> int:
         )
     headers = ["run", "out tok/s", "vs direct avg", "TTFT p50", "vs direct avg", "TTFT p99"]
     table = format_table(headers, rows)
-    print(table)
-    (out / "summary.txt").write_text(table + "\n")
-    (out / "gateway_overhead.json").write_text(json.dumps({"config": vars(args), "runs": runs}))
+    write_summary(out, table, "gateway_overhead", {"config": vars(args), "runs": runs})
     return 0
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from serve_side_by_side import (
     free_port,
     replica_cmd,
     server,
+    write_summary,
 )
 
 from pagellm.bench.report import format_table
@@ -85,9 +85,7 @@ def main() -> int:
     headers = ["behind the gateway", "out tok/s", "vs 1 replica avg", "TTFT p50", "TPOT p50",
                "E2E p99"]  # fmt: skip
     table = format_table(headers, rows)
-    print(table)
-    (out / "summary.txt").write_text(table + "\n")
-    (out / "gateway_replicas.json").write_text(json.dumps({"config": vars(args), "runs": runs}))
+    write_summary(out, table, "gateway_replicas", {"config": vars(args), "runs": runs})
     return 0
 
 

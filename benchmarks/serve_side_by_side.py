@@ -100,6 +100,13 @@ def add_gateway_bench_args(p: argparse.ArgumentParser, output_dir: str) -> None:
     p.add_argument("--request-rate", default=None)
 
 
+def write_summary(out: Path, table: str, name: str, payload: dict) -> None:
+    """Print the table and keep it (summary.txt) beside the runs' JSON (NAME.json)."""
+    print(table)
+    (out / "summary.txt").write_text(table + "\n")
+    (out / f"{name}.json").write_text(json.dumps(payload))
+
+
 def replica_cmd(args: argparse.Namespace, port: int) -> list[str]:
     """`pagellm serve` for a gateway benchmark's replica: without prefix caching, because the
     runs repeat one workload and no run may reuse another's KV."""

@@ -18,7 +18,7 @@ from pagellm.engine.outputs import RunnerOutput, SchedulerOutput
 from pagellm.parallel.comm import LOOPBACK, Collectives, RankFailed, open_store
 from pagellm.parallel.layout import RankLayout
 from pagellm.parallel.ranks import ProcessRanks, RayRanks, WorkerRanks
-from pagellm.parallel.worker import WorkerReport, WorkerSpec
+from pagellm.parallel.worker import WorkerSpec, report_of
 from pagellm.runner.loader import ModelFiles
 from pagellm.runner.model_runner import ModelRunner
 
@@ -64,9 +64,7 @@ class ParallelExecutor:
             torch.set_num_threads(threads)  # rank 0 shares the cores with its workers
             comm = Collectives(RankLayout(tp, pp, 0), self.store, timeout, host, device)
             self.runner = ModelRunner(files, dtype, cache, swap, comm, microbatches, device, limits)
-            own = WorkerReport(0, self.runner.num_blocks, self.runner.num_host_blocks,
-                               self.runner.memory_bytes(), _node_id() if on_ray else "local",
-                               str(device))  # fmt: skip
+            own = report_of(0, self.runner, _node_id() if on_ray else "local")
             self.reports = [own, *self.ranks.reports()]
         except BaseException as exc:
             self.failed = exc

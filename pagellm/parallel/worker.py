@@ -105,7 +105,7 @@ def build_runner(spec: WorkerSpec):
 
 
 def report_of(rank: int, runner, node: str = "local") -> WorkerReport:
-    device = str(getattr(runner, "device", "cpu"))
+    memory = runner.memory_bytes()
     return WorkerReport(
-        rank, runner.num_blocks, runner.num_host_blocks, runner.memory_bytes(), node, device
+        rank, runner.num_blocks, runner.num_host_blocks, memory, node, str(runner.device)
     )

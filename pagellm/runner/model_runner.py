@@ -165,7 +165,7 @@ class ModelRunner:
         tokens = sum(s.num_tokens for s in seqs)
         positions = [p for s in seqs for p in range(s.start_pos, s.start_pos + s.num_tokens)]
         ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long).to(self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         received = None
         if not layout.is_first_stage:
             shape = (tokens, self.arch.hidden_size)
@@ -302,8 +302,8 @@ def prepare_inputs(
             sample_reqs.append(s)
     return StepInputs(
         order,
-        torch.tensor(ids, dtype=torch.long).to(device or "cpu", non_blocking=True),
-        torch.tensor(positions, dtype=torch.long).to(device or "cpu", non_blocking=True),
+        torch.tensor(ids, dtype=torch.long, device=device),
+        torch.tensor(positions, dtype=torch.long, device=device),
         layouts,
         sample_rows,
         sample_reqs,
