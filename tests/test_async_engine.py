@@ -30,11 +30,31 @@ async def _collect(front, rid, prompt, params):
     return outs
 
 
-def test_streams_every_token_until_finished(async_engine):
+def test_streams_growing_outputs_until_finished(async_engine):
     front, _ = async_engine
     outs = asyncio.run(_collect(front, "a", [5, 6, 7], _greedy(5)))
-    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 4, 5]
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert lengths == sorted(set(lengths)) and lengths[-1] == 5  # cumulative, never repeated
     assert outs[-1].finished and outs[-1].outputs[0].token_ids == [8, 9, 10, 11, 12]
+    assert [o.finished for o in outs].count(True) == 1
+
+
+def test_a_stalled_reader_holds_only_the_newest_output(async_engine):
+    """The engine runs on while nobody reads; the stream keeps one output, not one per step."""
+    front, _ = async_engine
+
+    async def main():
+        stream = front.submit("slow", [5], _greedy(40))
+        for _ in range(400):  # bounded: the engine finishes 40 tokens in far fewer polls
+            if not front.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        return [out async for out in stream]
+
+    outs = asyncio.run(main())
+    assert len(outs) == 1 and outs[0].finished
+    assert len(outs[0].outputs[0].token_ids) == 40
+    assert front.num_queued_requests == 0 and not front._streams
 
 
 def test_many_concurrent_streams_complete(async_engine):

@@ -30,6 +30,9 @@ from pagellm.engine.request import FinishReason, Request
 from pagellm.engine.sampling_params import SamplingParams
 from pagellm.engine.scheduler import Scheduler
 
+_SEED_MASK = (1 << 64) - 1
+"""Per-sequence seeds (a request's seed + its copy's index) wrap to 64 bits, what torch takes."""
+
 
 class Executor(Protocol):
     """Runs steps. May also have ``num_host_blocks`` (swap), ``healthy()`` (False once a part
@@ -134,6 +137,7 @@ class LLMEngine:
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         self.check_priority(priority)
+        self.check_params(params)
         text, ids = self.prepare_prompt(prompt)
         group = _Group(request_id, text if text is not None else prompt_text, ids)
         arrival = self.clock() if arrival_time is None else arrival_time
@@ -148,7 +152,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 priority=priority,
                 tenant=tenant,
-                seed=base_seed + i,
+                seed=(base_seed + i) & _SEED_MASK,
                 parent_id=None if i == 0 else group.seqs[0].request.request_id,
             )
             detok = IncrementalDetokenizer.for_prompt(
@@ -160,6 +164,12 @@ class LLMEngine:
             self._seq_to_group[seq.request.request_id] = group
             self.scheduler.add_request(seq.request)
         self.scheduler.stats.prompt_tokens += len(ids)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What a request's parameters must meet for this model (its vocabulary); raises
+        ParamError. ``SamplingParams`` checked the rest when it was made."""
+        params.validate()
+        params.check_vocab(self.vocab_size)
 
     def check_priority(self, priority: int) -> None:
         """As vLLM: a non-zero priority is an error unless the policy uses it."""
@@ -197,13 +207,23 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks; False if it is unknown or done."""
+        return self._end_group(request_id, FinishReason.ABORT) is not None
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort many at once: their blocks are freed now, and the scheduler's queues and
+        statistics are updated in one pass for all of them."""
+        for request_id in request_ids:
+            self._end_group(request_id, FinishReason.ABORT)
+        self.scheduler.refresh_queue_stats()
+
+    def _end_group(self, request_id: str, reason: FinishReason) -> _Group | None:
         group = self._groups.pop(request_id, None)
         if group is None:
-            return False
+            return None
         for seq in group.seqs:
             self._seq_to_group.pop(seq.request.request_id, None)
-            self.scheduler.finish_request(seq.request.request_id, FinishReason.ABORT)
-        return True
+            self.scheduler.finish_request(seq.request.request_id, reason)
+        return group
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -221,17 +241,41 @@ class LLMEngine:
         before_execute = self.clock()
         result = self.executor.execute(sched)
         self.stats.execute_seconds += self.clock() - before_execute
+        failed = self._groups_of(result.failed)
         touched = self.scheduler.update(sched, result)
         groups: dict[str, _Group] = {}
         for req in touched:
             group = self._seq_to_group.get(req.request_id)
-            if group is None:
+            if group is None or group.request_id in failed:
                 continue
-            self._process_token(group, req, result)
+            try:
+                self._process_token(group, req, result)
+            except Exception as exc:  # noqa: BLE001 - this request's own fault: it fails alone
+                failed[group.request_id] = f"{type(exc).__name__}: {exc}"
+                continue
             groups[group.request_id] = group
-        outputs = [self._finish_or_snapshot(g) for g in groups.values()]
+        outputs = [
+            self._finish_or_snapshot(g) for g in groups.values() if g.request_id not in failed
+        ]
+        outputs += [self._fail(request_id, why) for request_id, why in failed.items()]
         self.stats.busy_seconds += self.clock() - start
         return outputs
+
+    def _groups_of(self, failed_seqs: dict[str, str]) -> dict[str, str]:
+        """Request id -> why, for the user requests that own the failed sequences."""
+        out: dict[str, str] = {}
+        for seq_id, why in failed_seqs.items():
+            group = self._seq_to_group.get(seq_id)
+            if group is not None:
+                out.setdefault(group.request_id, why)
+        return out
+
+    def _fail(self, request_id: str, why: str) -> RequestOutput:
+        """End a whole request (all n sequences) for a fault of its own; its output carries
+        the error, and nothing else in the batch is touched."""
+        group = self._end_group(request_id, FinishReason.ERROR)
+        assert group is not None
+        return make_output(group, True, error=why)
 
     def _process_token(self, group: _Group, req: Request, result: RunnerOutput) -> None:
         seq = next(s for s in group.seqs if s.request is req)
@@ -253,7 +297,7 @@ class LLMEngine:
         return make_output(group, finished)
 
 
-def make_output(group: _Group, finished: bool) -> RequestOutput:
+def make_output(group: _Group, finished: bool, error: str | None = None) -> RequestOutput:
     outputs = []
     for i, seq in enumerate(group.seqs):
         req = seq.request
@@ -281,5 +325,5 @@ def make_output(group: _Group, finished: bool) -> RequestOutput:
         num_preemptions=sum(s.request.num_preemptions for s in group.seqs),
     )
     return RequestOutput(
-        group.request_id, group.prompt, group.prompt_token_ids, outputs, finished, metrics
+        group.request_id, group.prompt, group.prompt_token_ids, outputs, finished, metrics, error
     )

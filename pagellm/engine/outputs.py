@@ -61,6 +61,8 @@ class TokenLogprobs:
 class RunnerOutput:
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    """Requests whose own preparation or sampling raised -> why; they fail, the step stands."""
 
 
 @dataclass(slots=True)
@@ -96,6 +98,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    error: str | None = None
+    """Set (with ``finished``) when this request failed on its own fault; others run on."""
 
 
 @dataclass(slots=True)

@@ -21,8 +21,6 @@ chosen as a victim only when no unprotected request is left, so long prompts do 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from pagellm.engine.request import Request
 
 POLICIES = ("fcfs", "priority", "fair")
@@ -48,11 +46,11 @@ class SchedulingPolicy:
     def charge(self, req: Request, num_tokens: int) -> None:
         """``num_tokens`` were computed for ``req`` this step."""
 
-    def on_waiting(self, req: Request, active: Iterable[Request]) -> None:
-        """A new ``req`` arrived; ``active`` are the other unfinished requests."""
+    def on_waiting(self, req: Request) -> None:
+        """A new ``req`` arrived (called once per request, in O(1) or O(tenants))."""
 
-    def on_finished(self, req: Request, active: Iterable[Request]) -> None:
-        """``req`` finished; ``active`` are the unfinished requests left."""
+    def on_finished(self, req: Request) -> None:
+        """``req`` finished (called once per request, in O(1))."""
 
     def is_protected(self, req: Request) -> bool:
         return req.num_preemptions >= self.protect_after
@@ -79,7 +77,9 @@ class FairPolicy(SchedulingPolicy):
     def __init__(self, protect_after: int = 2) -> None:
         super().__init__(protect_after)
         self.counters: dict[str, float] = {}
-        """Tenant -> virtual tokens served."""
+        """Active tenant -> virtual tokens served."""
+        self.active: dict[str, int] = {}
+        """Active tenant -> its unfinished requests (kept in step, so no event rescans)."""
 
     def rank(self, req: Request) -> tuple:
         return (self.counters.get(req.tenant, 0.0), req.arrival_seq)
@@ -87,17 +87,20 @@ class FairPolicy(SchedulingPolicy):
     def charge(self, req: Request, num_tokens: int) -> None:
         self.counters[req.tenant] = self.counters.get(req.tenant, 0.0) + num_tokens
 
-    def on_waiting(self, req: Request, active: Iterable[Request]) -> None:
-        if req.tenant in self.counters:
-            return  # the tenant is active: its counter is current
-        others = [self.counters[t] for t in {r.tenant for r in active} if t in self.counters]
-        self.counters[req.tenant] = min(others, default=0.0)
+    def on_waiting(self, req: Request) -> None:
+        self.active[req.tenant] = self.active.get(req.tenant, 0) + 1
+        if req.tenant not in self.counters:  # newly active: level with the least served
+            self.counters[req.tenant] = min(self.counters.values(), default=0.0)
 
-    def on_finished(self, req: Request, active: Iterable[Request]) -> None:
-        if all(r.tenant != req.tenant for r in active):
-            # idle: forgotten (memory stays bounded by the active tenants); if it comes back it
-            # starts level with the least-served active tenant, neither behind nor ahead
-            self.counters.pop(req.tenant, None)
+    def on_finished(self, req: Request) -> None:
+        left = self.active.get(req.tenant, 0) - 1
+        if left > 0:
+            self.active[req.tenant] = left
+            return
+        # idle: forgotten (memory stays bounded by the active tenants); if it comes back it
+        # starts level with the least-served active tenant, neither behind nor ahead
+        self.active.pop(req.tenant, None)
+        self.counters.pop(req.tenant, None)
 
 
 _REGISTRY: dict[str, type[SchedulingPolicy]] = {

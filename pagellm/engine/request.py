@@ -25,6 +25,8 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"
+    """A fault while preparing or sampling this request alone."""
 
 
 @dataclass(slots=True, eq=False)

@@ -1,13 +1,29 @@
-"""Validated sampling parameters of one request (what to generate and when to stop)."""
+"""Validated sampling parameters of one request (what to generate and when to stop).
+
+Everything a client can set is bounded here (ranges, finiteness, list sizes), so a value that
+passes never makes sampling raise; what depends on the model (the vocabulary) is checked by the
+engine (``LLMEngine.check_params``).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+"""Seeds are 64-bit signed integers, as vLLM takes them."""
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+LOGIT_BIAS_RANGE = 100.0
+"""OpenAI's range for a logit bias value."""
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to sample the next tokens of one request; ``validate`` raises ValueError on bad values.
+    """How to sample the next tokens of one request; ``validate`` raises ParamError on bad values.
 
     temperature == 0 means greedy. ``n`` independent completions share the prompt's KV blocks.
     """
@@ -28,6 +44,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value added to its logit before sampling (OpenAI's ``logit_bias``)."""
+    allowed_token_ids: list[int] | None = None
+    """When given, only these tokens may be sampled (vLLM's extension)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,24 +57,78 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        _check(self.n >= 1, "n", "must be at least 1")
+        _check_int(self.n, "n", 1, MAX_N)
+        _check_finite(self, ("temperature", "top_p", "min_p", "repetition_penalty"))
+        _check_finite(self, ("presence_penalty", "frequency_penalty"))
         _check(self.temperature >= 0.0, "temperature", "must be non-negative")
         _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        _check_int(self.top_k, "top_k", -1, SEED_MAX)
         _check(self.top_k >= 0 or self.top_k == -1, "top_k", "must be 0/-1 (off) or positive")
         _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         _check(self.repetition_penalty > 0.0, "repetition_penalty", "must be positive")
-        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1")
-        _check(self.min_tokens >= 0, "min_tokens", "must be non-negative")
+        if self.seed is not None:
+            _check_int(self.seed, "seed", SEED_MIN, SEED_MAX)
+        if self.max_tokens is not None:
+            _check_int(self.max_tokens, "max_tokens", 1, SEED_MAX)
+        _check_int(self.min_tokens, "min_tokens", 0, SEED_MAX)
         _check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             "min_tokens",
             "must not exceed max_tokens",
         )
-        _check(self.logprobs is None or self.logprobs >= 0, "logprobs", "must be non-negative")
-        _check(all(s for s in self.stop), "stop", "must not contain empty strings")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
+        if self.logprobs is not None:
+            _check_int(self.logprobs, "logprobs", 0, MAX_LOGPROBS)
+        self._validate_stops()
+        self._validate_token_choice()
+
+    def _validate_stops(self) -> None:
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"takes at most {MAX_STOP_STRINGS}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty text")
+        longest = max((len(s) for s in self.stop), default=0)
+        _check(
+            longest <= MAX_STOP_STRING_CHARS,
+            "stop",
+            f"strings must be at most {MAX_STOP_STRING_CHARS} characters",
+        )
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"takes at most {MAX_STOP_TOKEN_IDS} ids",
+        )
+        for t in self.stop_token_ids:
+            _check_int(t, "stop_token_ids", 0, SEED_MAX)
+
+    def _validate_token_choice(self) -> None:
+        for token, bias in (self.logit_bias or {}).items():
+            _check_int(token, "logit_bias", 0, SEED_MAX)
+            _check(
+                isinstance(bias, int | float) and math.isfinite(bias),
+                "logit_bias",
+                "values must be finite numbers",
+            )
+            _check(
+                -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE,
+                "logit_bias",
+                f"values must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]",
+            )
+        if self.allowed_token_ids is not None:
+            _check(bool(self.allowed_token_ids), "allowed_token_ids", "must not be empty")
+            for t in self.allowed_token_ids:
+                _check_int(t, "allowed_token_ids", 0, SEED_MAX)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids and top_k against the model's vocabulary; raises ParamError."""
+        _check(self.top_k <= vocab_size, "top_k", f"must be at most the vocabulary ({vocab_size})")
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", list(self.logit_bias or ())),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+        ):
+            _check(
+                all(t < vocab_size for t in ids), name, f"token ids must be in [0, {vocab_size})"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +142,11 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether the logits are changed before choosing (bias, allowed tokens)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
+
 
 class ParamError(ValueError):
     """A sampling parameter is out of range; ``param`` names it (used for OpenAI errors)."""
@@ -80,3 +159,15 @@ class ParamError(ValueError):
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise ParamError(param, message)
+
+
+def _check_int(value: object, param: str, low: int, high: int) -> None:
+    _check(isinstance(value, int) and not isinstance(value, bool), param, "must be an integer")
+    _check(low <= value <= high, param, f"must be in [{low}, {high}]")
+
+
+def _check_finite(params: SamplingParams, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(params, name)
+        _check(isinstance(value, int | float), name, "must be a number")
+        _check(math.isfinite(value), name, "must be a finite number")

@@ -46,6 +46,9 @@ class Scheduler:
         self.stats = EngineStats()
         self._finished_ids: list[str] = []
         self._arrivals = 0
+        self._stale = False
+        """Finished requests may still sit in the queues; ``_drop_finished`` takes them out in
+        one pass, so many finishes (an abort storm) cost one scan, not one each."""
 
     # ----- queue management -------------------------------------------------------------
 
@@ -54,11 +57,14 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         req.arrival_seq = self._arrivals
         self._arrivals += 1
-        self.policy.on_waiting(req, self.requests.values())
+        self.policy.on_waiting(req)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
     def refresh_queue_stats(self) -> None:
+        """Queue lengths, KV usage and per-tenant counts; one pass, once per step (or per
+        batch of aborts), never per finished request."""
+        self._drop_finished()
         self.stats.num_running = len(self.running)
         self.stats.num_waiting = len(self.waiting)
         self.stats.num_swapped = len(self.swapped)
@@ -70,32 +76,37 @@ class Scheduler:
         self.stats.tenants = {t: (r, w) for t, (r, w) in tenants.items()}
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.requests)
 
     def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
-        """Finish (stop, length, abort) a request and free its blocks at once."""
+        """Finish (stop, length, abort, error) a request and free its blocks at once; it leaves
+        its queue at the next pass over the queues."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        queue = {RequestStatus.RUNNING: self.running, RequestStatus.SWAPPED: self.swapped}.get(
-            req.status, self.waiting
-        )
-        if req in queue:
-            queue.remove(req)
+        self._stale = True
         self.kv.free(req)
         self.kv.forget(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
         req.finish_time = self.clock()
-        self.policy.on_finished(req, self.requests.values())
+        self.policy.on_finished(req)
         self._finished_ids.append(request_id)
-        self.refresh_queue_stats()
         return req
+
+    def _drop_finished(self) -> None:
+        if not self._stale:
+            return
+        self._stale = False
+        self.waiting = [r for r in self.waiting if not r.is_finished]
+        self.running = [r for r in self.running if not r.is_finished]
+        self.swapped = [r for r in self.swapped if not r.is_finished]
 
     # ----- scheduling -------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self._drop_finished()
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
@@ -266,6 +277,8 @@ class Scheduler:
         """
         now = self.clock()
         touched: list[Request] = []
+        for request_id in result.failed:
+            self.finish_request(request_id, FinishReason.ERROR)
         for item in sched.scheduled:
             req = self.requests.get(item.request_id)
             if req is None or req.status != RequestStatus.RUNNING:

@@ -202,7 +202,10 @@ class ModelRunner:
             for r, lp in zip(sample_reqs, result.logprobs, strict=True)
             if lp is not None
         }
-        return RunnerOutput(sampled, logprobs)
+        failed = {sample_reqs[row].request_id: why for row, why in result.failed.items()}
+        for request_id in failed:
+            sampled.pop(request_id)
+        return RunnerOutput(sampled, logprobs, failed)
 
     def _logits(self, parts: list[StepInputs]) -> torch.Tensor | None:
         """This rank's part of the forward over the step's micro-batches; the logits of the

@@ -1,13 +1,17 @@
-"""Sampling: penalties, min_tokens, greedy / temperature / top-k / top-p / min-p, logprobs.
+"""Sampling: penalties, logit bias, allowed tokens, min_tokens, greedy / temperature / top-k /
+top-p / min-p, logprobs.
 
 Each request owns a ``torch.Generator`` seeded from its seed, and random numbers are drawn per
 request, so a seeded request gets the same tokens whatever else is in the batch.
 Logprobs are those of the model's raw distribution (before penalties and temperature).
+
+A fault while sampling for one request costs that request alone: the batch is sampled again row
+by row, and a row that still raises is reported in ``SampleResult.failed`` instead of a token.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +22,8 @@ from pagellm.engine.outputs import ScheduledRequest, TokenLogprobs
 class SampleResult:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    failed: dict[int, str] = field(default_factory=dict)
+    """Row -> why sampling for it raised (its token in ``token_ids`` is meaningless)."""
 
 
 class Sampler:
@@ -39,6 +45,7 @@ class Sampler:
         simple = all(
             r.params.greedy
             and not r.params.needs_penalties
+            and not r.params.shapes_logits
             and r.params.logprobs is None
             and len(r.output_token_ids) >= r.params.min_tokens
             for r in reqs
@@ -46,12 +53,30 @@ class Sampler:
         if simple:
             return SampleResult(logits.float().argmax(dim=-1).tolist(), [None] * len(reqs))
         raw = logits.float().cpu()
+        try:
+            return self._sample_rows(raw, reqs)
+        except Exception:  # noqa: BLE001 - find the row at fault; the others still sample
+            return self._sample_each(raw, reqs)
+
+    def _sample_rows(self, raw: torch.Tensor, reqs: list[ScheduledRequest]) -> SampleResult:
         logits = raw.clone()
         for i, req in enumerate(reqs):
-            _apply_penalties(logits[i], req)
-            _apply_min_tokens(logits[i], req)
+            _shape_logits(logits[i], req)
         tokens = self._choose(logits, reqs)
         return SampleResult(tokens, _logprobs(raw, tokens, reqs))
+
+    def _sample_each(self, raw: torch.Tensor, reqs: list[ScheduledRequest]) -> SampleResult:
+        """One row at a time; a row that raises fails its request alone."""
+        result = SampleResult([0] * len(reqs), [None] * len(reqs))
+        for i, req in enumerate(reqs):
+            try:
+                one = self._sample_rows(raw[i : i + 1], [req])
+            except Exception as exc:  # noqa: BLE001 - reported as that request's failure
+                result.failed[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+                self._generators.pop(req.request_id, None)
+                continue
+            result.token_ids[i], result.logprobs[i] = one.token_ids[0], one.logprobs[0]
+        return result
 
     def _choose(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> list[int]:
         tokens = logits.argmax(dim=-1).tolist()
@@ -76,6 +101,32 @@ class Sampler:
             gen.manual_seed(req.seed)
             self._generators[req.request_id] = gen
         return gen
+
+
+def _shape_logits(row: torch.Tensor, req: ScheduledRequest) -> None:
+    """Everything that changes one request's logits before choosing, in vLLM's order."""
+    _apply_penalties(row, req)
+    _apply_logit_bias(row, req)
+    _apply_allowed_tokens(row, req)
+    _apply_min_tokens(row, req)
+    # extreme (valid) penalties can overflow: keep the row orderable and softmax-able
+    torch.nan_to_num_(row, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
+
+
+def _apply_logit_bias(row: torch.Tensor, req: ScheduledRequest) -> None:
+    bias = req.params.logit_bias
+    if bias:
+        ids = torch.tensor(list(bias), dtype=torch.long)
+        row.index_add_(0, ids, torch.tensor(list(bias.values()), dtype=row.dtype))
+
+
+def _apply_allowed_tokens(row: torch.Tensor, req: ScheduledRequest) -> None:
+    allowed = req.params.allowed_token_ids
+    if allowed is not None:
+        keep = torch.full_like(row, float("-inf"))
+        ids = torch.tensor(allowed, dtype=torch.long)
+        keep[ids] = row[ids]
+        row.copy_(keep)
 
 
 def _apply_penalties(row: torch.Tensor, req: ScheduledRequest) -> None:
@@ -104,7 +155,7 @@ def _apply_min_tokens(row: torch.Tensor, req: ScheduledRequest) -> None:
 
 def _filter_top_k_top_p(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> None:
     vocab = logits.shape[-1]
-    ks = [r.params.top_k if r.params.top_k > 0 else vocab for r in reqs]
+    ks = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in reqs]
     ps = [r.params.top_p for r in reqs]
     if all(k >= vocab for k in ks) and all(p >= 1.0 for p in ps):
         return
@@ -139,7 +190,7 @@ def _logprobs(
         return result
     lp = torch.log_softmax(raw[rows], dim=-1)
     for j, i in enumerate(rows):
-        n = reqs[i].params.logprobs or 0
+        n = min(reqs[i].params.logprobs or 0, lp.shape[-1])
         top_vals, top_ids = (
             lp[j].topk(n) if n else (torch.empty(0), torch.empty(0, dtype=torch.long))
         )
