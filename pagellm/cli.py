@@ -129,6 +129,23 @@ def _draining_server_class() -> type:
     return DrainingServer
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else --api-key-file's first line, else $PAGELLM_API_KEY or $VLLM_API_KEY (the
+    last three keep the key out of the process list)."""
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as exc:
+            raise SystemExit(f"pagellm serve: cannot read --api-key-file: {exc}") from exc
+        if not key:
+            raise SystemExit(f"pagellm serve: --api-key-file {args.api_key_file} is empty")
+        return key
+    return os.environ.get("PAGELLM_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
 
     from pagellm.engine.async_engine import AsyncLLMEngine
@@ -136,6 +153,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pagellm.fetch import DEFAULT_FILE
     from pagellm.server.app import ServerSettings, build_app
 
+    api_key = _api_key(args)
     try:
         engine, tokenizer = build_engine(EngineConfig.from_flat(**engine_kwargs(args)))
     except (ValueError, FileNotFoundError) as exc:  # a setting or path that cannot work here
@@ -144,11 +162,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model_name=args.served_model_name or default_name,
         max_model_len=engine.max_model_len,
-        api_key=args.api_key,
+        api_key=api_key,
         max_body_bytes=args.max_body_bytes,
-        max_num_queued_requests=args.max_num_queued_requests,
+        max_num_queued_requests=args.max_num_queued_requests or None,
         max_num_queued_tokens=args.max_num_queued_tokens,
         request_timeout=args.request_timeout,
+        max_seqs_per_request=args.max_seqs_per_request,
+        metrics_need_key=not args.allow_unauthenticated_metrics,
     )
     front = AsyncLLMEngine(engine)
     front.start()
@@ -277,10 +297,35 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    serve.add_argument("--max-num-queued-requests", type=int, default=None)
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every path but /health (default: "
+        "--api-key-file, else $PAGELLM_API_KEY or $VLLM_API_KEY; none: no auth)",
+    )
+    serve.add_argument("--api-key-file", default=None, help="read the API key from this file")
+    serve.add_argument(
+        "--allow-unauthenticated-metrics",
+        action="store_true",
+        help="with an API key, leave /metrics open (for a Prometheus scraper)",
+    )
+    serve.add_argument(
+        "--max-body-bytes", type=int, default=4 << 20, help="larger bodies get 413 (4 MiB)"
+    )
+    serve.add_argument(
+        "--max-num-queued-requests",
+        type=int,
+        default=4096,
+        help="sequences (prompts x n) admitted but not yet producing output; more get 503 "
+        "with Retry-After (0: unbounded)",
+    )
     serve.add_argument("--max-num-queued-tokens", type=int, default=None)
+    serve.add_argument(
+        "--max-seqs-per-request",
+        type=int,
+        default=256,
+        help="most sequences (a completions request's prompts x n) one request may ask for",
+    )
     serve.add_argument(
         "--request-timeout",
         type=float,

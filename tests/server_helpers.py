@@ -23,17 +23,24 @@ def free_port() -> int:
 
 
 def start_server(
-    model_dir, port: int, *extra: str, launcher: tuple[str, ...] | None = None
+    model_dir,
+    port: int,
+    *extra: str,
+    launcher: tuple[str, ...] | None = None,
+    key_args: tuple[str, ...] = ("--api-key", API_KEY),
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     """Start ``pagellm serve`` (tiny-model settings) on ``port``; wait with wait_healthy."""
     launcher = launcher or ("-m", "pagellm.cli")
     cmd = [
         sys.executable, *launcher, "serve", "--model", str(model_dir),
         "--dtype", "float32", "--kv-cache-memory", "0.02", "--max-model-len", "512",
-        "--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--port", str(port),
+        "--served-model-name", MODEL_NAME, *key_args, "--port", str(port),
         "--max-body-bytes", "20000", "--log-level", "warning", *extra,
     ]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
 
 
 def wait_healthy(proc: subprocess.Popen, base: str) -> None:
@@ -51,11 +58,11 @@ def wait_healthy(proc: subprocess.Popen, base: str) -> None:
 
 @contextlib.contextmanager
 def running_server(
-    model_dir, *extra: str, launcher: tuple[str, ...] | None = None
+    model_dir, *extra: str, launcher: tuple[str, ...] | None = None, **options
 ) -> Iterator[tuple[subprocess.Popen, str]]:
     """A healthy server process on a free loopback port; always stopped afterwards."""
     port = free_port()
-    proc = start_server(model_dir, port, *extra, launcher=launcher)
+    proc = start_server(model_dir, port, *extra, launcher=launcher, **options)
     with _serving(proc, port) as base:
         yield proc, base
 
@@ -77,7 +84,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 def metrics(server: str) -> dict[str, float]:
     """The server's ``pagellm:`` samples, keyed by name with labels."""
     values = {}
-    for line in httpx.get(f"{server}/metrics").text.splitlines():
+    for line in httpx.get(f"{server}/metrics", headers=AUTH).text.splitlines():
         if line.startswith("pagellm:"):
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)

@@ -149,7 +149,7 @@ def test_error_statuses(server, client):
 
 def test_latency_histograms_are_exported(server, client):
     client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=3, temperature=0)
-    text = httpx.get(f"{server}/metrics").text
+    text = httpx.get(f"{server}/metrics", headers=AUTH).text
     for name in (
         "time_to_first_token_seconds",
         "inter_token_latency_seconds",

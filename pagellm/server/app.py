@@ -1,13 +1,21 @@
 """The OpenAI-compatible FastAPI app over an AsyncLLMEngine.
 
-Handlers validate (pydantic + SamplingParams), tokenize with the model's tokenizer, check the
-context length before anything is queued, then stream or collect the engine's outputs. Leaving a
-stream, or a non-streaming client disconnecting, aborts the request in the engine.
+Handlers validate (pydantic + SamplingParams), tokenize with the model's tokenizer off the event
+loop, check the context length and the queue limits before anything is queued, then stream or
+collect the engine's outputs. Leaving a stream, or a non-streaming client disconnecting, aborts
+the request in the engine.
+
+What a client sends is bounded before it costs anything: the API key is checked on every path
+but ``/health`` before the body is read, the body is counted as it arrives (413 past
+``max_body_bytes``), a request may hold at most ``max_seqs_per_request`` sequences (prompts x n),
+and every answer that is not a success is an OpenAI error object, an unexpected fault too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,9 +26,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm import __version__
-from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailed
 from pagellm.engine.errors import ContextLengthExceeded, RequestRejected
 from pagellm.engine.outputs import RequestOutput
 from pagellm.engine.sampling_params import ParamError, SamplingParams
@@ -31,9 +40,12 @@ from pagellm.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    chat_messages,
 )
 
 _RETRY = {"code": "server_busy", "headers": {"Retry-After": "1"}}
+_OPEN_PATHS = ("/health",)
+log = logging.getLogger("pagellm.server")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,12 +54,18 @@ class ServerSettings:
     max_model_len: int
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
-    max_num_queued_requests: int | None = None
-    """Requests admitted but not yet producing output; over it new ones get 503."""
+    """Request bodies past this many bytes are answered 413 (counted as they arrive)."""
+    max_num_queued_requests: int | None = 4096
+    """Sequences (prompts x n) admitted but not yet producing output; over it new requests
+    get 503 with Retry-After. None: unbounded."""
     max_num_queued_tokens: int | None = None
     """Prompt tokens of those queued requests; over it new ones get 503."""
     request_timeout: float | None = None
     """Seconds from arrival after which a request is aborted and answered 504."""
+    max_seqs_per_request: int = 256
+    """Most sequences one request may ask for (a completions request's prompts x n)."""
+    metrics_need_key: bool = True
+    """With an API key: /metrics needs it too (False opens it for a scraper)."""
 
 
 def build_app(front: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -> FastAPI:
@@ -96,17 +114,25 @@ def build_app(front: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
+        ctx._check_model(body.model)
         if body.messages is not None:
-            ids = tokenizer.chat_token_ids(_messages(body.messages))
+            ids = await ctx.chat_ids(body.messages)
         elif body.prompt is not None:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await asyncio.to_thread(
+                tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+            )
         else:
             raise APIError(400, "give 'prompt' or 'messages'", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": settings.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
-        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        ctx._check_model(body.model)
+        vocab = front.engine.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        text = await asyncio.to_thread(tokenizer.decode, body.tokens, skip_special_tokens=False)
+        return {"prompt": text}
 
     return app
 
@@ -137,13 +163,29 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(APIError(503, str(exc), headers={"Retry-After": "5"}))
 
+    @app.exception_handler(RequestFailed)
+    async def _failed(_: Request, exc: RequestFailed) -> JSONResponse:
+        return error_response(APIError(500, f"the request failed: {exc}", code="request_failed"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Routing's own answers (404 unknown path, 405 method, a body FastAPI cannot read)."""
+        return error_response(APIError(exc.status_code, str(exc.detail), headers=exc.headers))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error in a handler")
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
+
 
 def _install_guards(app: FastAPI, settings: ServerSettings) -> None:
     app.add_middleware(_Guards, settings=settings)
 
 
 class _Guards:
-    """Body size (413) and API key (401) checks as plain ASGI middleware.
+    """API key (401) and body size (413) checks as plain ASGI middleware, in that order: a
+    request without the key costs no body read. The body is read here, counting bytes as they
+    arrive (a chunked body has no Content-Length to trust), then replayed to the app.
 
     Plain ASGI (not Starlette's BaseHTTPMiddleware) so that handlers still see the client's
     disconnect through ``Request.is_disconnected``.
@@ -152,35 +194,70 @@ class _Guards:
     def __init__(self, app, settings: ServerSettings) -> None:
         self.app = app
         self.settings = settings
+        key = settings.api_key
+        self.expected = f"Bearer {key}".encode() if key else None
+        self.open_paths = _OPEN_PATHS + (() if settings.metrics_need_key else ("/metrics",))
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            err = self._check(scope)
-            if err is not None:
-                await error_response(err)(scope, receive, send)
-                return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        err = self._check_key(scope) or self._check_length(scope)
+        if err is None and scope["method"] not in ("GET", "HEAD"):
+            body, err = await self._read_body(receive)
+            if body is None and err is None:
+                return  # the client left while sending
+            receive = _replay(body or b"", receive)
+        if err is not None:
+            await error_response(err)(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
-    def _check(self, scope) -> APIError | None:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.settings.max_body_bytes:
-            return APIError(413, f"request body over {self.settings.max_body_bytes} bytes")
-        key = self.settings.api_key
-        protected = bool(key) and scope["path"].startswith("/v1/")
-        if protected and headers.get("authorization", "") != f"Bearer {key}":
+    def _check_key(self, scope) -> APIError | None:
+        if self.expected is None or scope["path"] in self.open_paths:
+            return None
+        given = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), b"")
+        if not hmac.compare_digest(given, self.expected):
             return APIError(401, "missing or wrong API key")
         return None
 
+    def _check_length(self, scope) -> APIError | None:
+        length = next((v for k, v in scope["headers"] if k.lower() == b"content-length"), b"")
+        if length.isdigit() and int(length) > self.settings.max_body_bytes:
+            return self._too_large()
+        return None
 
-def _messages(messages: list) -> list[dict[str, Any]]:
-    out = []
-    for m in messages:
-        content = m.content
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-        out.append({"role": m.role, "content": content or ""})
-    return out
+    def _too_large(self) -> APIError:
+        return APIError(413, f"request body over {self.settings.max_body_bytes} bytes")
+
+    async def _read_body(self, receive) -> tuple[bytes | None, APIError | None]:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None, None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.settings.max_body_bytes:
+                return None, self._too_large()
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), None
+
+
+def _replay(body: bytes, receive):
+    """An ASGI receive that gives ``body`` first, then whatever the client sends next (its
+    disconnect)."""
+    given = False
+
+    async def replayed():
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
 
 
 class _Context:
@@ -206,9 +283,11 @@ class _Context:
 
         return chunk
 
-    def _generate(self, rid: str, ids: list[int], params: SamplingParams, body):
+    def _generate(self, rid: str, prompt: tuple[str | None, list[int]], params, body):
+        """Submit one prompt now (it counts as queued from here) and wrap its stream."""
         tenant = body.user or "default"
-        gen = self.front.generate(rid, ids, params, body.priority, tenant)
+        text, ids = prompt
+        gen = self.front.submit(rid, ids, params, body.priority, tenant, text)
         if self.latencies is not None:
             gen = self.latencies.observe(gen, time.monotonic)
         if self.settings.request_timeout is not None:
@@ -220,15 +299,43 @@ class _Context:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model_name:
+            shown = model if len(model) <= 100 else model[:100] + "..."
             raise APIError(
-                404, f"the model {model!r} does not exist", param="model", code="model_not_found"
+                404, f"the model {shown!r} does not exist", param="model", code="model_not_found"
             )
 
-    def _admit(self, prompt_tokens: int) -> None:
+    def _check_seqs(self, num_prompts: int, n: int) -> None:
+        most = self.settings.max_seqs_per_request
+        if num_prompts * n > most:
+            raise APIError(
+                400,
+                f"the request asks for {num_prompts} prompts x n={n} = {num_prompts * n} "
+                f"sequences; at most {most} are allowed per request",
+                param="prompt" if num_prompts > 1 else "n",
+            )
+
+    async def _prepare(self, prompts: list[str | list[int]]) -> list[tuple[str | None, list[int]]]:
+        """Tokenize and check the prompts in a worker thread (a long prompt must not stall
+        the event loop)."""
+        prepare = self.front.engine.prepare_prompt
+        return await asyncio.to_thread(lambda: [prepare(p) for p in prompts])
+
+    async def chat_ids(self, messages) -> list[int]:
+        """The chat rendered by the model's template and tokenized, in a worker thread; a
+        template that rejects the messages (``raise_exception``) or is missing is a 400."""
+        import jinja2
+
+        try:
+            return await asyncio.to_thread(self.tokenizer.chat_token_ids, chat_messages(messages))
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
+            raise APIError(400, f"the chat template cannot render the messages: {exc}",
+                           param="messages") from exc  # fmt: skip
+
+    def _admit(self, num_seqs: int, prompt_tokens: int) -> None:
         """503 with Retry-After when the waiting queue is full (checked before queueing)."""
         s, front = self.settings, self.front
         if s.max_num_queued_requests is not None and (
-            front.num_queued_requests >= s.max_num_queued_requests
+            front.num_queued_requests + num_seqs > s.max_num_queued_requests
         ):
             raise APIError(503, "the server is busy: too many queued requests", **_RETRY)
         if s.max_num_queued_tokens is not None and (
@@ -243,7 +350,9 @@ class _Context:
         if prompt_len + max_tokens > limit:
             raise ContextLengthExceeded(prompt_len, max_tokens, limit)
         self.front.engine.check_priority(body.priority)
-        return body.sampling_params(max_tokens, logprobs)
+        params = body.sampling_params(max_tokens, logprobs)
+        self.front.engine.check_params(params)
+        return params
 
     # ----- /v1/completions --------------------------------------------------------------
 
@@ -252,15 +361,16 @@ class _Context:
         if body.echo:
             raise APIError(400, "echo is not supported", param="echo")
         prompts = _prompt_list(body.prompt)
-        prepared = [self.front.engine.prepare_prompt(p) for p in prompts]
+        self._check_seqs(len(prompts), body.n)
+        prepared = await self._prepare(prompts)
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         params = [self._params(body, len(ids), max_tokens, body.logprobs) for _, ids in prepared]
-        self._admit(sum(len(ids) for _, ids in prepared))
+        self._admit(len(prompts) * body.n, sum(len(ids) for _, ids in prepared))
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         gens = [
-            self._generate(f"{rid}-{i}", ids, p, body)
-            for i, ((_, ids), p) in enumerate(zip(prepared, params, strict=True))
+            self._generate(f"{rid}-{i}", prompt, p, body)
+            for i, (prompt, p) in enumerate(zip(prepared, params, strict=True))
         ]
         if body.stream:
             return _sse(self._completion_events(gens, rid, created, body))
@@ -306,18 +416,15 @@ class _Context:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
-        try:
-            ids = self.tokenizer.chat_token_ids(_messages(body.messages))
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="messages") from exc
+        ids = await self.chat_ids(body.messages)
         ids = self.front.engine.prepare_prompt(ids)[1]
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, len(ids), max_tokens, top)
-        self._admit(len(ids))
+        self._admit(body.n, len(ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        gen = self._generate(rid, ids, params, body)
+        gen = self._generate(rid, (None, ids), params, body)
         if body.stream:
             return _sse(self._chat_events(gen, rid, created, body))
         out = await _until_disconnect(raw, _last(gen))
@@ -513,6 +620,11 @@ def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
             yield error_event(exc.status, exc.message, exc.code)
         except (RequestRejected, EngineDeadError, ValueError) as exc:
             yield error_event(503 if isinstance(exc, EngineDeadError) else 400, str(exc))
+        except RequestFailed as exc:
+            yield error_event(500, f"the request failed: {exc}", "request_failed")
+        except Exception as exc:  # noqa: BLE001 - the stream must end with an error event
+            log.exception("unexpected error in a stream")
+            yield error_event(500, f"internal error: {type(exc).__name__}")
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")

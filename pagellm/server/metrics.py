@@ -71,7 +71,7 @@ class EngineCollector(Collector):
             ("tenant_requests_waiting", 1, "Waiting sequences per tenant (the API's user)."),
         ):
             g = GaugeMetricFamily(f"pagellm:{name}", doc, labels=[*self.labels, "tenant"])
-            for tenant, counts in sorted(dict(s.tenants).items()):
+            for tenant, counts in sorted(bounded_tenants(s.tenants).items()):
                 g.add_metric([*self.labels.values(), tenant], counts[slot])
             yield g
         done = CounterMetricFamily(
@@ -82,6 +82,22 @@ class EngineCollector(Collector):
         for reason, count in sorted(dict(s.finished).items()):
             done.add_metric([*self.labels.values(), reason], count)
         yield done
+
+
+MAX_TENANT_SERIES = 64
+"""Tenants (the API's ``user``, chosen by clients) shown by name; the rest add up in one
+series, so clients cannot grow the metric's label values without bound."""
+OTHER_TENANTS = "_other"
+
+
+def bounded_tenants(tenants: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """The busiest ``MAX_TENANT_SERIES`` tenants by name, the others summed as ``_other``."""
+    ranked = sorted(dict(tenants).items(), key=lambda kv: (-sum(kv[1]), kv[0]))
+    shown = dict(ranked[:MAX_TENANT_SERIES])
+    rest = [counts for _, counts in ranked[MAX_TENANT_SERIES:]]
+    if rest:
+        shown[OTHER_TENANTS] = (sum(r for r, _ in rest), sum(w for _, w in rest))
+    return shown
 
 
 class ThreadCpuCollector(Collector):
