@@ -121,6 +121,11 @@ class SamplingParams:
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids and top_k against the model's vocabulary; raises ParamError."""
         _check(self.top_k <= vocab_size, "top_k", f"must be at most the vocabulary ({vocab_size})")
+        _check(
+            len(self.allowed_token_ids or ()) <= vocab_size,
+            "allowed_token_ids",
+            "must not be longer than the vocabulary",
+        )
         for name, ids in (
             ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", list(self.logit_bias or ())),

@@ -29,10 +29,13 @@ class SampleResult:
 class Sampler:
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self._shaping: dict[str, _Shaping] = {}
+        """Request id -> its logit bias and allowed-token tensors, built once per request."""
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._generators.pop(rid, None)
+            self._shaping.pop(rid, None)
 
     def sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> SampleResult:
         """``logits`` [len(reqs), vocab] in the model's dtype; row i belongs to ``reqs[i]``.
@@ -61,7 +64,7 @@ class Sampler:
     def _sample_rows(self, raw: torch.Tensor, reqs: list[ScheduledRequest]) -> SampleResult:
         logits = raw.clone()
         for i, req in enumerate(reqs):
-            _shape_logits(logits[i], req)
+            _shape_logits(logits[i], req, self._shaping_of(req))
         tokens = self._choose(logits, reqs)
         return SampleResult(tokens, _logprobs(raw, tokens, reqs))
 
@@ -73,7 +76,7 @@ class Sampler:
                 one = self._sample_rows(raw[i : i + 1], [req])
             except Exception as exc:  # noqa: BLE001 - reported as that request's failure
                 result.failed[i] = f"sampling failed: {type(exc).__name__}: {exc}"
-                self._generators.pop(req.request_id, None)
+                self.forget([req.request_id])
                 continue
             result.token_ids[i], result.logprobs[i] = one.token_ids[0], one.logprobs[0]
         return result
@@ -94,6 +97,14 @@ class Sampler:
             tokens[i] = int(torch.argmax(probs[j] / noise))
         return tokens
 
+    def _shaping_of(self, req: ScheduledRequest) -> _Shaping | None:
+        if not req.params.shapes_logits:
+            return None
+        shaping = self._shaping.get(req.request_id)
+        if shaping is None:
+            shaping = self._shaping[req.request_id] = _shaping(req)
+        return shaping
+
     def _generator(self, req: ScheduledRequest) -> torch.Generator:
         gen = self._generators.get(req.request_id)
         if gen is None:
@@ -103,29 +114,38 @@ class Sampler:
         return gen
 
 
-def _shape_logits(row: torch.Tensor, req: ScheduledRequest) -> None:
+@dataclass(slots=True)
+class _Shaping:
+    bias_ids: torch.Tensor | None
+    bias_values: torch.Tensor | None
+    allowed: torch.Tensor | None
+
+
+def _shaping(req: ScheduledRequest) -> _Shaping:
+    bias, allowed = req.params.logit_bias, req.params.allowed_token_ids
+    return _Shaping(
+        torch.tensor(list(bias), dtype=torch.long) if bias else None,
+        torch.tensor(list(bias.values()), dtype=torch.float32) if bias else None,
+        torch.tensor(sorted(set(allowed)), dtype=torch.long) if allowed is not None else None,
+    )
+
+
+def _shape_logits(row: torch.Tensor, req: ScheduledRequest, shaping: _Shaping | None) -> None:
     """Everything that changes one request's logits before choosing, in vLLM's order."""
     _apply_penalties(row, req)
-    _apply_logit_bias(row, req)
-    _apply_allowed_tokens(row, req)
+    if shaping is not None:
+        _apply_bias_and_allowed(row, shaping)
     _apply_min_tokens(row, req)
     # extreme (valid) penalties can overflow: keep the row orderable and softmax-able
     torch.nan_to_num_(row, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
 
 
-def _apply_logit_bias(row: torch.Tensor, req: ScheduledRequest) -> None:
-    bias = req.params.logit_bias
-    if bias:
-        ids = torch.tensor(list(bias), dtype=torch.long)
-        row.index_add_(0, ids, torch.tensor(list(bias.values()), dtype=row.dtype))
-
-
-def _apply_allowed_tokens(row: torch.Tensor, req: ScheduledRequest) -> None:
-    allowed = req.params.allowed_token_ids
-    if allowed is not None:
+def _apply_bias_and_allowed(row: torch.Tensor, shaping: _Shaping) -> None:
+    if shaping.bias_ids is not None:
+        row.index_add_(0, shaping.bias_ids, shaping.bias_values.to(row.dtype))
+    if shaping.allowed is not None:
         keep = torch.full_like(row, float("-inf"))
-        ids = torch.tensor(allowed, dtype=torch.long)
-        keep[ids] = row[ids]
+        keep[shaping.allowed] = row[shaping.allowed]
         row.copy_(keep)
 
 
