@@ -209,6 +209,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         health_interval=args.health_interval,
         breaker_failures=args.breaker_failures,
         breaker_reset=args.breaker_reset,
+        upstream_timeout=args.upstream_timeout,
+        max_body_bytes=args.max_body_bytes,
         backend_api_key=args.backend_api_key,
         config_path=args.config,
         flag_backends=tuple(args.backend),
@@ -350,10 +352,36 @@ def build_parser() -> argparse.ArgumentParser:
     from pagellm.gateway.routing import ROUTING_POLICIES
 
     gw.add_argument("--routing", choices=ROUTING_POLICIES, default="least-load")
-    gw.add_argument("--max-attempts", type=int, default=2, help="replicas tried per request")
+    gw.add_argument(
+        "--max-attempts",
+        type=int,
+        default=2,
+        help="replicas tried per request; another is tried only when one could not take the "
+        "request (no connection, 502, 503 without Retry-After, a stream ended before its first "
+        "event): any other answer is relayed as the replica's own",
+    )
     gw.add_argument("--health-interval", type=float, default=2.0, help="seconds between checks")
-    gw.add_argument("--breaker-failures", type=int, default=3, help="failures that open it")
+    gw.add_argument(
+        "--breaker-failures",
+        type=int,
+        default=3,
+        help="consecutive failures that open a replica's breaker (failed health checks, lost "
+        "connections, 502s and 503s without Retry-After; never a replica's other answers)",
+    )
     gw.add_argument("--breaker-reset", type=float, default=5.0, help="seconds before a probe")
+    gw.add_argument(
+        "--upstream-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait on a replica's answer before answering 502 (never retried)",
+    )
+    gw.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 << 20,
+        help="largest request body, counted as it arrives (after the key is checked); over "
+        "it, 413 (default 4 MiB)",
+    )
     gw.add_argument(
         "--backend-api-key",
         default=os.environ.get("PAGELLM_BACKEND_API_KEY"),
@@ -370,9 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--config",
         default=None,
         help="YAML with 'backends' and 'fallbacks' (URLs), 'keys' (name, key_sha256, models, "
-        "requests_per_minute, tokens_per_minute, max_concurrent, priority, tenant) and "
-        "'overload' (max_load, cap_at, max_tokens_cap, queue_size, queue_timeout); "
-        "re-read when it changes, without a restart",
+        "requests_per_minute, tokens_per_minute, max_concurrent, priority, tenant, "
+        "allow_client_priority and allow_client_user (default false: the client's priority "
+        "and user are dropped), max_tokens_default (default 1024: max_tokens set on requests "
+        "without one under a tokens_per_minute limit)) and 'overload' (max_load, cap_at, "
+        "max_tokens_cap, queue_size, queue_timeout); re-read when it changes, without a restart",
     )
     gw.add_argument("--log-level", default="info")
     gw.add_argument("--shutdown-timeout", type=float, default=30.0)

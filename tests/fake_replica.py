@@ -1,6 +1,7 @@
 """A scripted OpenAI-compatible replica for the gateway's fault tests: its behaviour is set over
 HTTP while it runs (POST /control), so a test can make it fail, hang, hold requests, cut streams
-mid-way or report itself unhealthy, and read back what it received (GET /control/log).
+mid-way, report itself unhealthy or answer a malformed model list, and read back what it
+received (GET /control/log).
 
     python tests/fake_replica.py --port 8123 --model fake
 """
@@ -28,6 +29,8 @@ class Script:
         self.cut_after: int | None = None
         """Streams send this many events, then the connection is dropped."""
         self.events = 3
+        self.models_reply: Any = None
+        """Answer GET /v1/models with this JSON instead of the model's card (a malformed list)."""
         self.released = asyncio.Event()
         self.received: list[dict[str, Any]] = []
         self.in_flight = 0
@@ -67,7 +70,9 @@ def build(model: str) -> FastAPI:
         return Response(status_code=200 if script.healthy else 503)
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models() -> Any:
+        if script.models_reply is not None:
+            return JSONResponse(script.models_reply)
         return {"object": "list", "data": [{"id": model, "object": "model", "max_model_len": 512}]}
 
     @app.get("/metrics")

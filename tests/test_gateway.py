@@ -1,10 +1,13 @@
 """`pagellm gateway` in front of two real `pagellm serve` replicas (tiny model, loopback): proxying
-with the official client, round-robin routing, cancellation reaching the replica, failover when
-a replica dies, and 503 cluster_unavailable when none is left."""
+with the official client, round-robin routing, cancellation reaching the replica (streams, and
+plain requests whose client leaves while the replica works), failover when a replica dies, and
+503 cluster_unavailable when none is left."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import socket
 
 import httpx
 import openai
@@ -79,6 +82,24 @@ def test_disconnect_through_the_gateway_frees_the_replica(replicas):
         leave_stream_after(f"{gw}/v1/completions", body)
         wait_idle(b1, aborted_before, within=1.0)  # running and KV back to 0 within a second
         assert aborted(b1) == aborted_before + 1  # the replica aborted it: it did not just finish
+
+
+def test_a_plain_request_whose_client_leaves_is_aborted_at_the_replica(replicas):
+    (_, b1), _ = replicas
+    aborted_before = aborted(b1)
+    running = f'pagellm:num_requests_running{{model_name="{MODEL_NAME}"}}'
+    body = {"model": MODEL_NAME, "prompt": "go", "max_tokens": 480, "ignore_eos": True}
+    content = json.dumps(body).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {API_KEY}"
+            f"\r\nContent-Type: application/json\r\nContent-Length: {len(content)}\r\n\r\n")  # fmt: skip
+    with running_gateway(b1) as gw:
+        host, port = gw.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as client:
+            client.sendall(head.encode() + content)
+            wait_until(lambda: metrics(b1)[running] == 1, what="the request at the replica")
+        # the client left before any answer: the replica aborts it, it does not finish it
+        wait_idle(b1, aborted_before, within=2.0)
+        assert aborted(b1) == aborted_before + 1
 
 
 def test_failover_then_cluster_unavailable(tiny_models):

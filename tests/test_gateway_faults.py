@@ -53,8 +53,8 @@ def two_fakes():
 def test_breaker_opens_on_failures_and_closes_when_the_replica_recovers(two_fakes):
     a, b = two_fakes
     with running_gateway(a, b) as gw:
-        control(a, fail_status=500, healthy=False)
-        for _ in range(4):  # a fails before any byte: retried on b, every request succeeds
+        control(a, fail_status=502, healthy=False)  # 502: it cannot take requests (a 500 is
+        for _ in range(4):  # relayed as its answer); retried on b, every request succeeds
             r = post(gw, {"model": "fake", "prompt": "x"})
             assert r.status_code == 200, r.text
         assert gateway_metric(gw, f'pagellm_gateway:breaker_opens_total{{replica="{a}"}}') >= 1

@@ -137,15 +137,17 @@ def test_token_limit_charges_then_refunds_unused_tokens():
 
 
 def test_forwarded_body_carries_the_keys_priority_and_tenant():
-    from pagellm.gateway.app import _with_policy, estimate_tokens
+    from pagellm.gateway.intake import apply_policy, estimate_tokens
 
     ring = _ring(Clock(step=0.0), priority=3, tenant="team-a")
     key = ring.identify("Bearer secret-a")
     body = {"model": "m", "prompt": "x" * 40, "max_tokens": 10, "user": "someone"}
-    out = _with_policy(body, key)
+    out = apply_policy(body, key)
     assert out["priority"] == 3 and out["user"] == "team-a" and body["user"] == "someone"
-    assert estimate_tokens(body) == 11 + 10  # ceil(42 characters with quotes / 4) + max_tokens
-    assert estimate_tokens({"messages": [], "n": 2}) == 1 + 2 * 256
+    assert estimate_tokens(body, 10) == 11 + 10  # ceil(42 characters with quotes / 4) + 10
+    assert estimate_tokens({"messages": [], "n": 2}, 256) == 1 + 2 * 256
+    assert estimate_tokens({"prompt": ["a", "b", "c"], "n": 2}, 5) == 4 + 3 * 2 * 5
+    assert estimate_tokens({"prompt": [1, 2, 3]}, 5, [3]) == 3 + 5  # token ids: one prompt
 
 
 def test_least_load_counts_what_the_replicas_report():
@@ -251,7 +253,8 @@ def test_admission_queue_times_out_on_the_injected_clock():
 
 
 def test_max_tokens_cap_and_stream_usage():
-    from pagellm.gateway.app import _cap_tokens, _stream_usage
+    from pagellm.gateway.app import _cap_tokens
+    from pagellm.gateway.events import EventSplitter, usage_of
 
     body = {"max_tokens": 100}
     assert _cap_tokens(body, 16) and body == {"max_tokens": 16}
@@ -260,5 +263,44 @@ def test_max_tokens_cap_and_stream_usage():
     body = {}
     assert _cap_tokens(body, 16) and body == {"max_tokens": 16}
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":7}}\n\n'
-    assert _stream_usage(b'data: {"choices":[1]}\n\n' + usage + b"data: [DONE]\n\n") == 12
-    assert _stream_usage(b'data: {"usage":{"prompt_tokens":5,"comp') is None  # split: estimate
+    assert usage_of(usage) == (12, True)
+    both = b'data: {"choices":[1],"usage":{"prompt_tokens":1,"completion_tokens":1}}'
+    assert usage_of(both) == (2, False)  # a usage on an event with choices: not usage alone
+    assert usage_of(b'data: {"choices":[1]}\n\n') is None
+    assert usage_of(b'data: {"usage":{"prompt_tokens":5,"comp') is None  # cut: the charge stands
+    splitter = EventSplitter(limit=128)
+    stream = b'data: {"choices":[1]}\n\n' + usage + b"data: [DONE]\r\n\r\n"
+    events = [e for i in range(0, len(stream), 7) for e in splitter.feed(stream[i : i + 7])]
+    assert events == [b'data: {"choices":[1]}\n\n', usage, b"data: [DONE]\r\n\r\n"]
+    assert splitter.feed(b"x" * 200) == [b"x" * 200] and splitter.rest() == b""  # over the limit
+
+
+def test_admission_queue_keeps_a_line_per_model():
+    import asyncio
+
+    from pagellm.gateway.overload import AdmissionQueue
+
+    async def scenario() -> list[str]:
+        queue, room, order = AdmissionQueue(Clock(step=0.0)), {"a": 0, "b": 0}, []
+
+        async def request(name: str, model: str) -> None:
+            if await queue.wait_turn(lambda: room[model] > 0, timeout=60, model=model):
+                room[model] -= 1
+                order.append(name)
+
+        waiters = [asyncio.create_task(request(n, m)) for n, m in (("a1", "a"), ("b1", "b"),
+                                                                   ("a2", "a"))]  # fmt: skip
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert len(queue) == 3 and queue.waiting("a") == 2 and queue.waiting("b") == 1
+        room["b"] = 1  # b has room while a stays full: b's request need not wait behind a's
+        queue.notify()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert order == ["b1"] and queue.waiting("b") == 0 and queue.waiting("a") == 2
+        room["a"] = 2
+        queue.notify()
+        await asyncio.gather(*waiters)
+        return order
+
+    assert asyncio.run(scenario()) == ["b1", "a1", "a2"]  # first come first served within a

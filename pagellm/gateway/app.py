@@ -1,7 +1,17 @@
 """The gateway's HTTP app: proxy /v1/completions and /v1/chat/completions to a replica chosen by
-the router, stream SSE through unbuffered, close the upstream request the moment the client
-leaves (so the replica aborts it and frees its KV blocks), retry on another replica when a
-replica fails before the first byte, and answer 503 ``cluster_unavailable`` when none can serve.
+the router, stream SSE through event by event, and close the upstream request the moment the
+client leaves (so the replica aborts it and frees its KV blocks), while the replica works on it
+or before it answered at all.
+
+Only a replica that could not take a request (no connection, a connection lost before any
+answer, 502, 503 without Retry-After, a stream that ends before its first event) counts against
+its circuit breaker, and only then is the request tried on another replica; every other answer
+is the replica's own and is relayed as it is. ``cluster_unavailable`` (503) when none can serve.
+
+A request's key is checked before its body is read; the body is counted as it arrives. What an
+admitted request holds (a slot at a replica, its key's in-flight count and token charge, the
+upstream response) is released exactly once, however the request ends: by the handler, or, once
+a stream is handed to the client, by the streaming response.
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,19 +39,30 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from starlette.requests import ClientDisconnect
 
 from pagellm.engine.errors import ContextLengthExceeded
 from pagellm.gateway.breaker import BreakerState, CircuitBreaker
 from pagellm.gateway.config import ConfigError, Fleet, GatewaySettings, read_fleet
-from pagellm.gateway.limits import KeyPolicy, KeyRing
+from pagellm.gateway.events import EventSplitter, usage_of
+from pagellm.gateway.intake import (
+    apply_policy,
+    ask_usage,
+    charge_for,
+    check_fields,
+    parse,
+    read_body,
+)
+from pagellm.gateway.limits import Denied, KeyPolicy, KeyRing
 from pagellm.gateway.overload import AdmissionQueue
-from pagellm.gateway.precheck import check_fits
+from pagellm.gateway.precheck import check_fits, prompt_lengths
 from pagellm.gateway.routing import Replica, Router
-from pagellm.server.errors import error_body
+from pagellm.server.errors import APIError, error_body, error_response
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_FORWARDED = ("authorization", "content-type", "accept")
 _BREAKER_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+_LOST = (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
+"""Failures of the connection itself (refused, reset, closed without an answer)."""
 log = logging.getLogger("pagellm.gateway")
 
 
@@ -50,7 +71,8 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.requests = Counter(
             "pagellm_gateway:requests",
-            "Requests by API key name, model, replica ('gateway' when answered here) and status.",
+            "Requests by API key name, model ('unknown' unless a replica serves it and the key "
+            "was checked), replica ('gateway' when answered here) and status.",
             ["key", "model", "replica", "status"],
             registry=self.registry,
         )
@@ -77,6 +99,18 @@ class GatewayMetrics:
             ["replica"],
             registry=self.registry,
         )
+        self.outstanding = Gauge(
+            "pagellm_gateway:outstanding",
+            "Requests the gateway has in flight at each replica.",
+            ["replica"],
+            registry=self.registry,
+        )
+        self.key_in_flight = Gauge(
+            "pagellm_gateway:key_in_flight",
+            "Requests in flight per API key name.",
+            ["key"],
+            registry=self.registry,
+        )
         self.overload = Counter(
             "pagellm_gateway:overload_actions",
             "Overload steps taken: capped (max_tokens), fallback, queued, rejected (503).",
@@ -94,6 +128,52 @@ class GatewayMetrics:
             ["result"],
             registry=self.registry,
         )
+        self.background_errors = Counter(
+            "pagellm_gateway:background_errors",
+            "Unexpected errors in a background loop (logged; the loop went on), by loop.",
+            ["loop"],
+            registry=self.registry,
+        )
+
+
+class _Lease:
+    """A request's slot at one replica (counted in its ``outstanding``) and the upstream
+    response it got there; ``close`` releases both, the slot exactly once."""
+
+    def __init__(self, replica: Replica, on_release: Callable[[], None]) -> None:
+        self.replica, self.on_release = replica, on_release
+        self.response: httpx.Response | None = None
+        self.released = False
+        replica.outstanding += 1
+
+    async def close(self) -> None:
+        if not self.released:
+            self.released = True
+            self.replica.outstanding -= 1
+            self.on_release()
+        response, self.response = self.response, None
+        if response is not None:
+            await response.aclose()
+
+
+class _Settlement:
+    """Settles a key's in-flight count and token charge exactly once per admitted request (a
+    no-op for a request no key admitted)."""
+
+    def __init__(
+        self, keys: KeyRing | None = None, policy: KeyPolicy | None = None, charged: int = 0
+    ) -> None:
+        self.keys, self.policy, self.charged = keys, policy, charged
+        self.used: int | None = 0
+        """Tokens really used; None: unknown, the charge stands. 0 while no replica has the
+        request, unknown from when one has it until its usage is read."""
+        self.done = False
+
+    def now(self) -> None:
+        if self.done or self.keys is None:
+            return
+        self.done = True
+        self.keys.settle(self.policy, self.charged, self.used)
 
 
 @dataclass
@@ -105,10 +185,17 @@ class _Call:
     body: dict[str, Any] = field(default_factory=dict)
     content: bytes | None = None
     """The bytes sent upstream; None once ``body`` was changed (re-encoded when sent)."""
-    headers: dict[str, str] = field(default_factory=dict)
-    settle: _Settlement | None = None
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    settle: _Settlement = field(default_factory=_Settlement)
     key_name: str = ""
+    authenticated: bool = False
     replica: str = "gateway"
+    lease: _Lease | None = None
+    events: AsyncGenerator[bytes, None] | None = None
+    hide_usage: bool = False
+    """The gateway asked the replica for the stream's usage event: the client does not get it."""
+    handed_over: bool = False
+    """A streaming response owns the release now (it runs after the handler returned)."""
 
     @property
     def model(self) -> str | None:
@@ -123,6 +210,19 @@ class _Call:
         if self.content is None:
             self.content = json.dumps(self.body).encode()
         return self.content
+
+    async def drop_lease(self) -> None:
+        events, self.events = self.events, None
+        if events is not None:
+            await events.aclose()
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            await lease.close()
+
+    async def finish(self) -> None:
+        """Release everything the request holds (again: nothing)."""
+        self.settle.now()
+        await self.drop_lease()
 
 
 class Gateway:
@@ -156,7 +256,7 @@ class Gateway:
         self.backend_headers = {"authorization": f"Bearer {key}"} if key else {}
         self._config_mtime = _mtime(settings.config_path)
 
-    # ----- replicas and reloads ---------------------------------------------------------
+    # ----- replicas, reloads and background loops ---------------------------------------
 
     def _replicas_for(self, fleet: Fleet, known: dict[str, Replica]) -> list[Replica]:
         out = []
@@ -175,15 +275,16 @@ class Gateway:
         """Use a new fleet: replicas that stay keep their state (load, breaker, models), new
         ones are health-checked before they take traffic, removed ones finish what they have in
         flight; keys that stay keep their in-flight count and bucket levels."""
+        keys = KeyRing(list(fleet.keys), self.clock, previous=self.keys)
         known = {r.url: r for r in self.replicas}
         replicas = self._replicas_for(fleet, known)
         await asyncio.gather(*(self.check(r) for r in replicas if r.url not in known))
         for url in set(known) - {r.url for r in replicas}:
-            for family in (self.metrics.breaker, self.metrics.breaker_opens):
+            for family in (self.metrics.breaker, self.metrics.breaker_opens,
+                           self.metrics.outstanding):  # fmt: skip
                 with contextlib.suppress(KeyError):
                     family.remove(url)
-        self.keys = KeyRing(list(fleet.keys), self.clock, previous=self.keys)
-        self.fleet, self.replicas = fleet, replicas
+        self.keys, self.fleet, self.replicas = keys, fleet, replicas
         self.queue.notify()
 
     async def reload_if_changed(self) -> None:
@@ -215,18 +316,22 @@ class Gateway:
                     f"{replica.url}/v1/models", timeout=5.0, headers=headers
                 )
                 models.raise_for_status()
-                cards = models.json().get("data", [])
-                replica.models = {m["id"] for m in cards}
-                for card in cards:
-                    if isinstance(card.get("max_model_len"), int):
-                        known = self.max_model_len.get(card["id"], card["max_model_len"])
-                        self.max_model_len[card["id"]] = min(known, card["max_model_len"])
+                cards = _model_cards(models.json())
+                replica.models = {card["id"] for card in cards}
+                self._note_context_lengths(cards)
             await self._scrape_load(replica, headers)
-        except (httpx.HTTPError, ValueError, KeyError):
+        except (httpx.HTTPError, ValueError):
             self._breaker_failure(replica)
         else:
             if replica.breaker.state is not BreakerState.OPEN:
                 replica.breaker.record_success()
+
+    def _note_context_lengths(self, cards: list[dict[str, Any]]) -> None:
+        for card in cards:
+            length = card.get("max_model_len")
+            if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+                known = self.max_model_len.get(card["id"], length)
+                self.max_model_len[card["id"]] = min(known, length)
 
     async def _scrape_load(self, replica: Replica, headers: dict[str, str]) -> None:
         """Running/waiting requests and KV usage from the replica's /metrics (pagellm's or
@@ -253,10 +358,19 @@ class Gateway:
         await asyncio.gather(*(self.check(r) for r in self.replicas))
         self.queue.notify()  # loads were re-read: waiting requests look again
 
+    async def guarded(self, loop: str, step: Callable[[], Awaitable[None]]) -> None:
+        """One step of a background loop: an error it did not expect is logged and counted,
+        and the loop goes on."""
+        try:
+            await step()
+        except Exception:
+            log.exception("gateway %s loop: unexpected error (it goes on)", loop)
+            self.metrics.background_errors.labels(loop).inc()
+
     async def health_loop(self) -> None:
         while True:
-            await self.reload_if_changed()
-            await self.check_all()
+            await self.guarded("reload", self.reload_if_changed)
+            await self.guarded("health", self.check_all)
             await asyncio.sleep(self.settings.health_interval)
 
     def _saturated(self, replica: Replica) -> bool:
@@ -288,68 +402,112 @@ class Gateway:
         primaries = [r for r in self.replicas if not r.fallback and r.serves(model)]
         return bool(primaries) and all(r.load >= load for r in primaries)
 
-    # ----- proxying ---------------------------------------------------------------------
+    # ----- admission ----------------------------------------------------------------------
 
     async def proxy(self, path: str, raw: Request) -> Response:
         call = _Call(path, raw)
-        response = await self._handle(call)
+        try:
+            response = await self._handle(call)
+        except APIError as err:
+            response = error_response(err)
+        except Exception:  # the request fails alone, answered in the OpenAI shape
+            log.exception("gateway: unexpected error on %s", path)
+            response = _error(500, "the gateway failed on this request")
+        finally:
+            if not call.handed_over:
+                await call.finish()
         self.metrics.requests.labels(
-            call.key_name, call.model or "", call.replica, str(response.status_code)
+            call.key_name, self._model_label(call), call.replica, str(response.status_code)
         ).inc()
         return response
 
+    def _model_label(self, call: _Call) -> str:
+        """The model for the metric: one a replica serves, named by a checked client."""
+        model = call.model
+        served = isinstance(model, str) and any(model in r.models for r in self.replicas)
+        return model if served and call.authenticated else "unknown"
+
     async def _handle(self, call: _Call) -> Response:
-        call.content = await call.raw.body()
+        policy = self._identify(call)
         try:
-            body = json.loads(call.content)
-        except ValueError:
-            return _error(400, "the request body is not valid JSON")
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object")
-        call.body = body
-        call.headers = {k: v for k, v in call.raw.headers.items() if k.lower() in _FORWARDED}
-        tokenizer, limit = self.tokenizers.get(call.model), self.max_model_len.get(call.model)
-        if tokenizer is not None and limit is not None:
+            call.content = await read_body(call.raw, self.settings.max_body_bytes)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        call.body = parse(call.content)
+        check_fields(call.body)
+        lengths = await self._prompt_lengths(call)
+        call.headers = self._forwarded_headers(call.raw)
+        if policy is not None:
+            refused = self._admit_key(call, policy, lengths)
+            if refused is not None:
+                return refused
+        return await self._admit(call)
+
+    def _identify(self, call: _Call) -> KeyPolicy | None:
+        """The caller's key, from the Authorization header alone (401 without a good one);
+        None when the gateway is open (no keys)."""
+        if not self.keys.enabled:
+            call.authenticated = True
+            return None
+        policy = self.keys.identify(call.raw.headers.get("authorization"))
+        if policy is None:
+            raise APIError(401, "missing or wrong API key")
+        call.key_name, call.authenticated = policy.name, True
+        return policy
+
+    async def _prompt_lengths(self, call: _Call) -> list[int] | None:
+        """The prompts' token counts when the model's tokenizer is known, counted on a worker
+        thread; a prompt that cannot fit the model's context is refused here (400)."""
+        tokenizer = self.tokenizers.get(call.model)
+        if tokenizer is None:
+            return None
+        try:
+            lengths = await asyncio.to_thread(prompt_lengths, tokenizer, call.body)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise APIError(400, f"cannot read the prompt: {exc}") from exc
+        limit = self.max_model_len.get(call.model)
+        if limit is not None:
             try:
-                check_fits(tokenizer, body, limit)
+                check_fits(lengths, call.body, limit)
             except ContextLengthExceeded as exc:
-                return _error(400, str(exc), code=exc.code)
-            except (ValueError, TypeError, AttributeError) as exc:
-                return _error(400, f"cannot read the prompt: {exc}")
-        call.settle = _Settlement(None, None, 0)
-        if self.keys.enabled:
-            keys = self.keys
-            policy = keys.identify(call.raw.headers.get("authorization"))
-            if policy is None:
-                return _error(401, "missing or wrong API key", kind="authentication_error")
-            call.key_name = policy.name
-            charge = estimate_tokens(body)
-            denied = keys.admit(policy, call.model, charge)
-            if denied is not None:
-                wait = denied.retry_after
-                retry = None
-                if wait is not None and math.isfinite(wait):
-                    retry = {"Retry-After": str(max(1, math.ceil(wait)))}
-                return _error(denied.status, denied.message, code=denied.code, headers=retry)
-            call.body, call.content = _with_policy(body, policy), None
-            call.headers.pop("authorization", None)  # the client's key is the gateway's
-            call.settle = _Settlement(keys, policy, charge)
-        call.headers.update(self.backend_headers)
-        try:
-            return await self._admit(call)
-        finally:
-            call.settle.unless_handed_over()
+                raise APIError(400, str(exc), code=exc.code) from exc
+        return lengths
+
+    def _forwarded_headers(self, raw: Request) -> list[tuple[bytes, bytes]]:
+        """The client's content-type and accept, as the bytes it sent, and the authorization
+        the replicas get: the gateway's own key, else (an open gateway) the client's."""
+        names = {b"content-type", b"accept"}
+        if not self.keys.enabled and not self.backend_headers:
+            names.add(b"authorization")
+        out = [(k, v) for k, v in raw.scope["headers"] if k.lower() in names]
+        return out + [(k.encode(), v.encode()) for k, v in self.backend_headers.items()]
+
+    def _admit_key(
+        self, call: _Call, policy: KeyPolicy, lengths: list[int] | None
+    ) -> Response | None:
+        """The key's limits: its models, concurrency and buckets, charged an upper bound of the
+        request's tokens; on success the body carries the key's policy and the call settles."""
+        body = apply_policy(call.body, policy)
+        charge = charge_for(body, policy, lengths, self.max_model_len.get(call.model))
+        denied = self.keys.admit(policy, call.model, charge)
+        if denied is not None:
+            return _refused(denied)
+        if "tokens" in policy.buckets and body.get("stream"):
+            call.hide_usage = ask_usage(body)
+        call.body, call.content = body, None
+        call.settle = _Settlement(self.keys, policy, charge)
+        return None
 
     async def _admit(self, call: _Call) -> Response:
         """The overload steps: cap max_tokens when every primary is busy, wait in the bounded
-        queue when no replica has room (fallbacks included), 503 when the queue is full or the
-        wait runs out; then route."""
+        queue (in the model's line) when no replica has room (fallbacks included), 503 when the
+        queue is full or the wait runs out; then route."""
         rules = self.fleet.overload
         busy = rules.cap_at is not None and self._all_primaries_at(call.model, rules.cap_at)
         if busy and _cap_tokens(call.body, rules.max_tokens_cap):
             call.content = None
             self.metrics.overload.labels("capped").inc()
-        if len(self.queue) or not self._has_room(call.model):
+        if self.queue.waiting(call.model) or not self._has_room(call.model):
             if len(self.queue) >= rules.queue_size:
                 return self._overloaded()
             self.metrics.overload.labels("queued").inc()
@@ -358,7 +516,7 @@ class Gateway:
             try:
                 with _ClientWatch(call.raw) as watch:
                     ready = await self.queue.wait_turn(
-                        lambda: self._has_room(call.model), rules.queue_timeout
+                        lambda: self._has_room(call.model), rules.queue_timeout, call.model
                     )
             finally:
                 self.metrics.queue_depth.dec()
@@ -378,6 +536,8 @@ class Gateway:
             headers={"Retry-After": "1"},
         )
 
+    # ----- proxying ---------------------------------------------------------------------
+
     async def _route(self, call: _Call) -> Response:
         tried: set[str] = set()
         for attempt in range(self.settings.max_attempts):
@@ -386,27 +546,21 @@ class Gateway:
             replica = self._pick(call.model, call.prompt_key, tried)
             if replica is None:
                 break
-            resp = await self._send(replica, call)
-            if resp is None:
-                continue
-            if call.body.get("stream") and resp.status_code == 200:
-                first = await self._first_chunk(resp, replica, call.raw)
-                if first is None:
-                    continue  # failed before a byte reached the client: try another replica
-                if isinstance(first, Response):
-                    return first  # the client left meanwhile
+            call.lease = _Lease(replica, self.queue.notify)
+            call.settle.used = None
+            answer = None
+            with _ClientWatch(call.raw) as watch:  # it leaves: the upstream request is closed
+                answer = await self._exchange(call, replica)
+            if watch.left:
+                return Response(status_code=499)
+            if answer is not None:
                 call.replica = replica.url
-                call.settle.hand_over()  # the stream settles when it ends
-                return StreamingResponse(
-                    self._relay(*first, resp, replica, call.settle),
-                    media_type="text/event-stream",
-                    headers=STREAM_HEADERS,
-                )
-            call.replica = replica.url
-            answer = await self._whole(resp, replica, call.raw)
-            call.settle.used = _usage_tokens(answer)
-            return answer
-        model = call.model
+                return answer
+            call.settle.used = 0  # the replica could not take it: nothing was used there
+            await call.drop_lease()
+        return self._unavailable(call.model)
+
+    def _unavailable(self, model: str | None) -> JSONResponse:
         if model is not None and not any(r.serves(model) for r in self.replicas):
             return _error(404, f"the model {model!r} does not exist", code="model_not_found")
         return _error(
@@ -428,34 +582,31 @@ class Gateway:
                     self.metrics.overload.labels("fallback").inc()
                 return replica
 
-    async def _send(self, replica: Replica, call: _Call) -> httpx.Response | None:
-        """The upstream response (headers read, body not), or None when the replica failed
-        before answering (connection refused or reset, timeout, or a 5xx)."""
-        replica.outstanding += 1
+    async def _exchange(self, call: _Call, replica: Replica) -> Response | None:
+        """One try at one replica: the answer for the client, or None when the replica could
+        not take the request (another may)."""
+        url = f"{replica.url}{call.path}"
+        request = self.client.build_request(
+            "POST", url, content=call.encoded(), headers=call.headers
+        )
         start = self.clock()
         try:
-            request = self.client.build_request(
-                "POST", f"{replica.url}{call.path}", content=call.encoded(), headers=call.headers
-            )
             resp = await self.client.send(request, stream=True)
-        except httpx.HTTPError:
-            self._failed(replica)
-            return None
+        except httpx.HTTPError as exc:
+            if isinstance(exc, _LOST):
+                self._breaker_failure(replica)
+                return None
+            # e.g. a read timeout: the replica may be working on it, so it is not sent twice
+            return _error(502, f"the replica did not answer: {type(exc).__name__}")
+        call.lease.response = resp
         self.metrics.upstream_latency.labels(replica.url).observe(self.clock() - start)
-        if resp.status_code >= 500:
-            await resp.aclose()
-            self._failed(replica)
+        if _not_taken(resp):
+            self._breaker_failure(replica)
             return None
         replica.breaker.record_success()
-        return resp
-
-    def _release(self, replica: Replica) -> None:
-        replica.outstanding -= 1
-        self.queue.notify()
-
-    def _failed(self, replica: Replica) -> None:
-        self._release(replica)
-        self._breaker_failure(replica)
+        if call.body.get("stream") and resp.status_code == 200:
+            return await self._stream(call, replica, resp)
+        return await self._whole(call, replica, resp)
 
     def _breaker_failure(self, replica: Replica) -> None:
         was_open = replica.breaker.state is BreakerState.OPEN
@@ -463,71 +614,77 @@ class Gateway:
         if not was_open and replica.breaker.state is BreakerState.OPEN:
             self.metrics.breaker_opens.labels(replica.url).inc()
 
-    def refresh_breaker_gauges(self) -> None:
-        """Breaker states as of now (open turns half-open with time, not with an event)."""
+    def refresh_gauges(self) -> None:
+        """Breaker states (open turns half-open with time, not with an event), requests in
+        flight per replica and per key, as of now."""
         for replica in self.replicas:
             self.metrics.breaker.labels(replica.url).set(_BREAKER_VALUE[replica.breaker.state])
+            self.metrics.outstanding.labels(replica.url).set(replica.outstanding)
+        self.metrics.key_in_flight.clear()
+        for policy in self.keys.keys:
+            self.metrics.key_in_flight.labels(policy.name).set(policy.in_flight)
 
-    async def _first_chunk(
-        self, resp: httpx.Response, replica: Replica, raw: Request
-    ) -> tuple[bytes, AsyncIterator[bytes]] | Response | None:
-        """Wait for the stream's first bytes before answering the client, so that a replica
-        failing before then (dying with the request still in its queue) leaves the request
-        free to retry elsewhere. None: it failed; a Response: the client left meanwhile."""
-        chunks = resp.aiter_raw()
+    async def _stream(self, call: _Call, replica: Replica, resp: httpx.Response) -> Response | None:
+        """Wait for the stream's first event before answering the client, so that a replica
+        failing before then (dying with the request still in its queue) leaves the request free
+        to retry elsewhere; then hand the stream to a response that releases the request."""
+        call.events = self._events(call, resp)
         try:
-            with _ClientWatch(raw) as watch:
-                first = await anext(chunks)
-        except (httpx.HTTPError, StopAsyncIteration):
-            await resp.aclose()
-            self._failed(replica)
+            first = await anext(call.events)
+        except StopAsyncIteration:
+            self._breaker_failure(replica)
             return None
-        if watch.left:
-            await resp.aclose()
-            self._release(replica)
-            return Response(status_code=499)
-        return first, chunks
+        except httpx.HTTPError as exc:
+            if isinstance(exc, _LOST):
+                self._breaker_failure(replica)
+                return None
+            return _error(502, f"the replica failed before its first event: {type(exc).__name__}")
+        call.handed_over = True
+        return _Relayed(self._relay(first, call.events, replica), call)
+
+    async def _events(self, call: _Call, resp: httpx.Response) -> AsyncGenerator[bytes, None]:
+        """The replica's SSE events, whole, as the client is to get them: a usage event settles
+        the key's charge, and is kept from a client that did not ask for it."""
+        splitter = EventSplitter()
+        async for chunk in resp.aiter_raw():
+            for event in splitter.feed(chunk):
+                usage = usage_of(event)
+                if usage is not None:
+                    call.settle.used = usage[0]
+                if usage is None or not (usage[1] and call.hide_usage):
+                    yield event
+        rest = splitter.rest()
+        if rest:
+            yield rest
 
     async def _relay(
-        self,
-        first: bytes,
-        rest: AsyncIterator[bytes],
-        resp: httpx.Response,
-        replica: Replica,
-        settle: _Settlement,
+        self, first: bytes, rest: AsyncIterator[bytes], replica: Replica
     ) -> AsyncIterator[bytes]:
-        """Pass the replica's SSE bytes through as they come. Leaving early (the client went
-        away) closes the upstream response, which makes the replica abort the request."""
+        """Pass the events on as they come; a replica failing mid-stream ends the stream with an
+        error event. Leaving early (the client went away) closes the upstream response through
+        _Relayed, which makes the replica abort the request."""
         try:
             yield first
-            async for chunk in rest:
-                if b'"prompt_tokens"' in chunk:  # the usage event (include_usage): settle on it
-                    settle.used = _stream_usage(chunk)
-                yield chunk
+            async for event in rest:
+                yield event
         except httpx.HTTPError as exc:
-            self._breaker_failure(replica)
+            if isinstance(exc, _LOST):
+                self._breaker_failure(replica)
             event = error_body(
                 502, f"the replica failed mid-stream: {type(exc).__name__}", None, None
             )
             yield f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
-        finally:
-            await resp.aclose()
-            self._release(replica)
-            settle.now()
 
-    async def _whole(self, resp: httpx.Response, replica: Replica, raw: Request) -> Response:
-        """Read a non-streamed answer; a client that leaves meanwhile closes the upstream."""
+    async def _whole(self, call: _Call, replica: Replica, resp: httpx.Response) -> Response:
+        """Read a non-streamed answer and relay it as the replica's own (status, body,
+        Retry-After); a replica failing meanwhile is answered 502, not retried."""
         try:
-            with _ClientWatch(raw) as watch:
-                content = await resp.aread()
+            content = await resp.aread()
         except httpx.HTTPError as exc:
-            self._breaker_failure(replica)
-            return _error(502, f"the replica failed: {type(exc).__name__}")
-        finally:
-            await resp.aclose()
-            self._release(replica)
-        if watch.left:
-            return Response(status_code=499)
+            if isinstance(exc, _LOST):
+                self._breaker_failure(replica)
+            return _error(502, f"the replica failed while answering: {type(exc).__name__}")
+        call.settle.used = _usage_tokens(resp.status_code, content)
         media = resp.headers.get("content-type", "application/json")
         extra = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
         return Response(content, status_code=resp.status_code, media_type=media, headers=extra)
@@ -538,46 +695,20 @@ class Gateway:
         return {"object": "list", "data": data}
 
 
-class _Settlement:
-    """Settles a key's in-flight count and token charge exactly once per admitted request."""
+class _Relayed(StreamingResponse):
+    """A relayed stream that releases what its request holds however the response ends:
+    finished, cut by a client that left before or while it ran, or failed."""
 
-    def __init__(self, keys: KeyRing | None, policy: KeyPolicy | None, charged: int) -> None:
-        self.keys, self.policy, self.charged = keys, policy, charged
-        self.used: int | None = 0
-        """Tokens really used (None: unknown, keep the charge); 0 until a replica answers."""
-        self.handed_over = False
-        self.done = False
+    def __init__(self, events: AsyncGenerator[bytes, None], call: _Call) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=STREAM_HEADERS)
+        self.call = call
 
-    def hand_over(self) -> None:
-        self.handed_over = True
-        self.used = None  # a stream's usage is not parsed: the estimate stands
-
-    def unless_handed_over(self) -> None:
-        if not self.handed_over:
-            self.now()
-
-    def now(self) -> None:
-        if self.done or self.keys is None:
-            return
-        self.done = True
-        self.keys.settle(self.policy, self.charged, self.used)
-
-
-def estimate_tokens(body: dict[str, Any]) -> int:
-    """What a request may cost before it runs: ~4 characters per prompt token plus the most
-    it may generate (refunded to the real usage when a whole answer comes back)."""
-    prompt = json.dumps(body.get("messages") or body.get("prompt") or "")
-    most = body.get("max_completion_tokens") or body.get("max_tokens") or 256
-    return math.ceil(len(prompt) / 4) + int(most) * max(1, int(body.get("n") or 1))
-
-
-def _with_policy(body: dict[str, Any], policy: KeyPolicy) -> dict[str, Any]:
-    out = dict(body)
-    if policy.priority is not None:
-        out["priority"] = policy.priority
-    if policy.tenant:
-        out["user"] = policy.tenant
-    return out
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self.call.finish()
 
 
 class _ClientWatch:
@@ -603,10 +734,39 @@ class _ClientWatch:
         return False
 
     async def _watch(self) -> None:
-        while not await self.raw.is_disconnected():
-            await asyncio.sleep(0.1)
+        try:
+            while not await self.raw.is_disconnected():
+                await asyncio.sleep(0.1)
+        except Exception:  # a receive channel that fails: stop watching, the request goes on
+            log.exception("gateway: cannot watch the client's connection")
+            return
         self.left = True
         self.task.cancel()
+
+
+def _not_taken(resp: httpx.Response) -> bool:
+    """A replica's answer that says it could not take the request (a proxy in front of it found
+    it gone, or it is unavailable with no hint of when to come back): another replica may."""
+    status = resp.status_code
+    return status == 502 or (status == 503 and "retry-after" not in resp.headers)
+
+
+def _model_cards(payload: Any) -> list[dict[str, Any]]:
+    """The cards of a /v1/models reply; ValueError unless it is a list of cards with ids."""
+    data = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(data, list) or not all(
+        isinstance(card, dict) and isinstance(card.get("id"), str) for card in data
+    ):
+        raise ValueError("a malformed model list")
+    return data
+
+
+def _refused(denied: Denied) -> JSONResponse:
+    wait = denied.retry_after
+    retry = None
+    if wait is not None and math.isfinite(wait):
+        retry = {"Retry-After": str(max(1, math.ceil(wait)))}
+    return _error(denied.status, denied.message, code=denied.code, headers=retry)
 
 
 def _cap_tokens(body: dict[str, Any], cap: int) -> bool:
@@ -624,18 +784,6 @@ def _cap_tokens(body: dict[str, Any], cap: int) -> bool:
     return changed
 
 
-def _stream_usage(chunk: bytes) -> int | None:
-    """prompt + completion tokens from a chunk holding a stream's usage event, if it parses."""
-    for line in chunk.split(b"\n"):
-        if line.startswith(b"data: {") and b'"prompt_tokens"' in line:
-            try:
-                usage = json.loads(line[len(b"data: ") :])["usage"]
-                return int(usage["prompt_tokens"]) + int(usage["completion_tokens"])
-            except (ValueError, KeyError, TypeError):
-                return None
-    return None
-
-
 def _mtime(path: str | None) -> int | None:
     if path is None:
         return None
@@ -645,12 +793,16 @@ def _mtime(path: str | None) -> int | None:
         return None
 
 
-def _usage_tokens(answer: Response) -> int | None:
+def _usage_tokens(status: int, content: bytes) -> int | None:
+    """Tokens a whole answer used: its usage; none for a refusal (4xx); unknown (the charge
+    stands) for a replica's failure, which may come after some work, or an answer without it."""
+    if 400 <= status < 500:
+        return 0
     try:
-        usage = json.loads(answer.body)["usage"]
+        usage = json.loads(content)["usage"]
         return int(usage["prompt_tokens"]) + int(usage["completion_tokens"])
     except (ValueError, KeyError, TypeError):
-        return None if answer.status_code == 200 else 0
+        return None
 
 
 def _error(
@@ -669,7 +821,7 @@ def _error(
 def build_gateway_app(gateway: Gateway) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
-        await gateway.check_all()
+        await gateway.guarded("health", gateway.check_all)
         task = asyncio.create_task(gateway.health_loop())
         try:
             yield
@@ -678,6 +830,11 @@ def build_gateway_app(gateway: Gateway) -> FastAPI:
             await gateway.client.aclose()
 
     app = FastAPI(title="pagellm gateway", lifespan=lifespan)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.error("gateway: unexpected error", exc_info=exc)
+        return _error(500, "the gateway failed on this request")
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
@@ -699,7 +856,7 @@ def build_gateway_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        gateway.refresh_breaker_gauges()
+        gateway.refresh_gauges()
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -1,7 +1,7 @@
 """The gateway's settings: the fixed ones (from flags) and the fleet (replicas, fallback replicas,
 API keys, overload rules) that a YAML file gives and that reloads without a restart. A file is
-checked whole before it is used: an unknown key or a wrong type is an error that names it, and a
-reload that fails keeps the fleet that was running."""
+checked whole before it is used: an unknown key, a wrong type or a value out of range is an error
+that names it, and a reload that fails keeps the fleet that was running."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-_KEY_FIELDS = {
+_KEY_FIELDS: dict[str, type | tuple[type, ...]] = {
     "name": str,
     "key_sha256": str,
     "key": str,
@@ -19,7 +19,12 @@ _KEY_FIELDS = {
     "max_concurrent": int,
     "priority": int,
     "tenant": str,
+    "allow_client_priority": bool,
+    "allow_client_user": bool,
+    "max_tokens_default": int,
 }
+_POSITIVE_KEY_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent",
+                        "max_tokens_default")  # fmt: skip
 
 
 class ConfigError(ValueError):
@@ -52,8 +57,10 @@ class Fleet:
     fallbacks: tuple[str, ...] = ()
     """Replicas used only when every primary replica is saturated (e.g. a quantized one)."""
     keys: tuple[dict[str, Any], ...] = ()
-    """API keys (name, key_sha256, models, requests_per_minute, tokens_per_minute,
-    max_concurrent, priority, tenant); none means no auth at the gateway."""
+    """API keys (name, key_sha256 or key, models, requests_per_minute, tokens_per_minute,
+    max_concurrent, priority, tenant, allow_client_priority, allow_client_user,
+    max_tokens_default: see ``pagellm.gateway.limits.KeyPolicy``); none means no auth at the
+    gateway (and the client's priority and user pass through)."""
     overload: OverloadSettings = field(default_factory=OverloadSettings)
 
 
@@ -67,6 +74,10 @@ class GatewaySettings:
     breaker_failures: int = 3
     breaker_reset: float = 5.0
     upstream_timeout: float = 600.0
+    """Seconds to wait on a replica (its answer's headers, or each read after); past it, 502
+    (the request is not sent to another replica: this one may be working on it)."""
+    max_body_bytes: int = 4 << 20
+    """Largest request body read (counted as it arrives); over it, 413."""
     backend_api_key: str | None = None
     """Sent to the replicas (health checks, model lists, and proxied requests in place of the
     client's Authorization); without it the client's header is passed through."""
@@ -83,8 +94,8 @@ def read_fleet(path: str | Path | None, flag_backends: tuple[str, ...] = ()) -> 
     fleet = Fleet(
         backends=tuple(dict.fromkeys(backends)),
         fallbacks=_urls(data, "fallbacks", path),
-        keys=tuple(_checked_key(k, i, path) for i, k in enumerate(data.get("keys") or [])),
-        overload=_overload(data.get("overload") or {}, path),
+        keys=checked_keys(data.get("keys") or [], path),
+        overload=checked_overload(data.get("overload") or {}, path),
     )
     if not fleet.backends:
         raise ConfigError("give at least one replica (--backend URL or 'backends' in the config)")
@@ -113,6 +124,13 @@ def _urls(data: dict[str, Any], name: str, path: Any) -> tuple[str, ...]:
     return tuple(u.rstrip("/") for u in urls)
 
 
+def checked_keys(entries: Any, where: Any) -> tuple[dict[str, Any], ...]:
+    """The API key entries of a config, each checked (``where`` names the file in errors)."""
+    if not isinstance(entries, list):
+        raise ConfigError(f"{where}: 'keys' must be a list")
+    return tuple(_checked_key(entry, i, where) for i, entry in enumerate(entries))
+
+
 def _checked_key(entry: Any, index: int, path: Any) -> dict[str, Any]:
     where = f"{path}: keys[{index}]"
     if not isinstance(entry, dict):
@@ -120,20 +138,35 @@ def _checked_key(entry: Any, index: int, path: Any) -> dict[str, Any]:
     for name, value in entry.items():
         if name not in _KEY_FIELDS:
             raise ConfigError(f"{where}: unknown setting {name!r}")
-        if value is not None and not isinstance(value, _KEY_FIELDS[name]):
+        if value is not None and not _is_a(value, _KEY_FIELDS[name]):
             raise ConfigError(f"{where}: {name!r} has the wrong type")
+    models = entry.get("models") or []
+    if not all(isinstance(m, str) for m in models):
+        raise ConfigError(f"{where}: 'models' must be a list of model names")
+    for name in _POSITIVE_KEY_FIELDS:
+        if entry.get(name) is not None and entry[name] <= 0:
+            raise ConfigError(f"{where}: {name!r} must be above 0")
     if not entry.get("key_sha256") and not entry.get("key"):
         raise ConfigError(f"{where}: give key_sha256 (or key)")
     return dict(entry)
 
 
-def _overload(data: Any, path: Any) -> OverloadSettings:
+def _is_a(value: Any, kind: type | tuple[type, ...]) -> bool:
+    """isinstance, except that a bool is no number (YAML's true is not 1)."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool):
+        return bool in kinds
+    return isinstance(value, kinds)
+
+
+def checked_overload(data: Any, path: Any) -> OverloadSettings:
+    """The overload rules of a config, checked (``path`` names the file in errors)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: 'overload' must be a mapping")
     known = {f.name: f for f in fields(OverloadSettings)}
     for name, value in data.items():
         if name not in known:
             raise ConfigError(f"{path}: overload: unknown setting {name!r}")
-        if value is not None and not isinstance(value, int | float):
+        if value is not None and not _is_a(value, (int, float)):
             raise ConfigError(f"{path}: overload: {name!r} must be a number")
     return OverloadSettings(**data)

@@ -1,8 +1,10 @@
 """API keys and their limits at the gateway: a key is stored as its SHA-256 and compared in
 constant time; each key may have allowed models, a requests-per-minute and a tokens-per-minute
 token bucket, a cap on concurrent requests, and a priority and tenant passed to the replicas.
-Buckets run on an injected clock. A key's running state (requests in flight, buckets) lives
-apart from its settings so that reloading the keys keeps it."""
+Buckets run on an injected clock; a request is charged an upper bound of its tokens up front and
+settled on what it really used (refunded, or charged the overage: a bucket may go into debt).
+A key's running state (requests in flight, buckets) lives apart from its settings so that
+reloading the keys keeps it."""
 
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ class TokenBucket:
     def take(self, amount: float) -> float:
         """Take ``amount`` if available and return 0.0; otherwise take nothing and return the
         seconds until it will be (inf if it never fits)."""
+        if amount < 0:
+            raise ValueError(f"a negative charge ({amount}) would fill the bucket")
         self._refill()
         if amount <= self.level:
             self.level -= amount
@@ -48,6 +52,11 @@ class TokenBucket:
         self._refill()
         self.level = min(self.capacity, self.level + amount)
 
+    def charge(self, amount: float) -> None:
+        """Take ``amount`` whatever the level (below 0 is a debt the refill pays first)."""
+        self._refill()
+        self.level -= amount
+
 
 @dataclass
 class KeyState:
@@ -57,16 +66,37 @@ class KeyState:
     buckets: dict[str, TokenBucket] = field(default_factory=dict)
 
 
+DEFAULT_MAX_TOKENS = 1024
+
+
 @dataclass
 class KeyPolicy:
+    """One API key's settings (the config's ``keys`` entries) and its running state."""
+
     name: str
     key_sha256: str
     models: frozenset[str] | None = None
     requests_per_minute: float | None = None
     tokens_per_minute: float | None = None
+    """Tokens (prompt + completion) a minute. A request is charged its prompt plus the most it
+    may generate (max_tokens x n per prompt) when admitted, and settled on its usage."""
     max_concurrent: int | None = None
     priority: int | None = None
+    """Sent to the replicas as the request's priority (replacing the client's)."""
     tenant: str | None = None
+    """Sent to the replicas as the request's ``user`` (their fairness tenant)."""
+    allow_client_priority: bool = False
+    """Pass the client's ``priority`` on (the key's own when it gives none); otherwise it is
+    dropped: without this, a client cannot raise its own priority."""
+    allow_client_user: bool = False
+    """Pass the client's ``user`` on (the tenant when it gives none); otherwise it is dropped."""
+    max_tokens_default: int = DEFAULT_MAX_TOKENS
+    """With a tokens_per_minute limit, a request that gives neither max_tokens nor
+    max_completion_tokens is sent with max_tokens set to this, lowered to what the model's
+    context (max_model_len, from the replicas' model cards) leaves after the prompt: the prompt
+    counted with ``--tokenizer MODEL=PATH``, else bounded by its UTF-8 bytes plus 64. When not
+    even one token surely fits, nothing is set and the request is charged the whole context
+    (which the replica enforces). Its charge is then a real upper bound."""
     state: KeyState = field(default_factory=KeyState)
 
     @property
@@ -112,6 +142,9 @@ class KeyRing:
             max_concurrent=e.get("max_concurrent"),
             priority=e.get("priority"),
             tenant=e.get("tenant"),
+            allow_client_priority=bool(e.get("allow_client_priority")),
+            allow_client_user=bool(e.get("allow_client_user")),
+            max_tokens_default=e.get("max_tokens_default") or DEFAULT_MAX_TOKENS,
         )
         before = old.get(p.key_sha256)
         kept = dict(before.buckets) if before else {}
@@ -166,8 +199,13 @@ class KeyRing:
         return None
 
     def settle(self, policy: KeyPolicy, charged: int, used: int | None) -> None:
-        """The request ended: it no longer counts in flight; refund what it did not use."""
+        """The request ended: it no longer counts in flight; refund what it did not use, or take
+        what it used beyond its charge (``used`` None: unknown, the charge stands)."""
         policy.state.in_flight -= 1
         bucket = policy.buckets.get("tokens")
-        if bucket and used is not None and used < charged:
+        if not bucket or used is None:
+            return
+        if used < charged:
             bucket.give_back(charged - used)
+        elif used > charged:
+            bucket.charge(used - charged)

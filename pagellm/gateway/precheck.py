@@ -1,7 +1,8 @@
 """The prompt-length pre-check: a request whose prompt plus ``max_tokens`` cannot fit the served
 model's context is answered 400 at the gateway and never reaches a replica. Prompts are counted
-with the model's own tokenizer and chat template (``--tokenizer MODEL=PATH``); the context length
-comes from the replicas' ``/v1/models`` cards (``max_model_len``, as pagellm and vLLM give it)."""
+with the model's own tokenizer and chat template (``--tokenizer MODEL=PATH``; the gateway counts
+on a worker thread, off its event loop); the context length comes from the replicas'
+``/v1/models`` cards (``max_model_len``, as pagellm and vLLM give it)."""
 
 from __future__ import annotations
 
@@ -43,11 +44,12 @@ def prompt_lengths(tokenizer: Any, body: dict[str, Any]) -> list[int]:
     return []
 
 
-def check_fits(tokenizer: Any, body: dict[str, Any], max_model_len: int) -> None:
-    """Raises ContextLengthExceeded (its message gives the counts) for a prompt that cannot fit."""
+def check_fits(lengths: list[int], body: dict[str, Any], max_model_len: int) -> None:
+    """Raises ContextLengthExceeded (its message gives the counts) when a prompt of these
+    ``lengths`` (``prompt_lengths``) cannot fit with the request's max_tokens."""
     wanted = body.get("max_completion_tokens") or body.get("max_tokens")
     wanted = int(wanted) if isinstance(wanted, int) else None
-    for n in prompt_lengths(tokenizer, body):
+    for n in lengths:
         if n + (wanted or 0) > max_model_len or n >= max_model_len:
             raise ContextLengthExceeded(n, wanted, max_model_len)
 
