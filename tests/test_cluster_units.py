@@ -106,3 +106,112 @@ def test_autoscaler_adds_after_a_sustained_queue_and_removes_when_idle():
     clock.now = 100
     assert scaler.desired(Load(3, waiting=0, running=0)) == 2
     assert scaler.desired(Load(0, waiting=0, running=0)) == 1  # below min: back to min
+
+
+# ----- replicas reachable from elsewhere, and the server limits they get ----------------------
+
+LOCAL = {"deployment_config": {"model": "/models/x"}}
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "node-a.internal", "::"])
+def test_a_replica_reachable_from_elsewhere_needs_an_api_key(host):
+    with pytest.raises(ClusterConfigError, match="deployment_config.api_key"):
+        parse_cluster_config({"deployment_config": {"replica_host": host}})
+    keyed = {"deployment_config": {"replica_host": host, "api_key": "k"}}
+    assert parse_cluster_config(keyed).deployment.replica_host == host
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
+def test_a_loopback_replica_may_be_open(host):
+    assert parse_cluster_config({"deployment_config": {"replica_host": host}}).deployment
+
+
+def test_replicas_get_the_queue_limits_and_timeouts_of_the_deployment():
+    from pagellm.cluster.controller import _deployment
+    from pagellm.cluster.replica import server_settings
+
+    limits = {"max_num_queued_requests": 32, "max_num_queued_tokens": 8192,
+              "request_timeout": 90.5, "max_body_bytes": 65536}  # fmt: skip
+    cfg = parse_cluster_config({"deployment_config": {**LOCAL["deployment_config"], **limits,
+                                                      "api_key": "k"}})  # fmt: skip
+    settings = server_settings(_deployment(cfg), "x", 2048)
+    assert {name: getattr(settings, name) for name in limits} == limits
+    assert (settings.model_name, settings.max_model_len, settings.api_key) == ("x", 2048, "k")
+    unset = server_settings(_deployment(parse_cluster_config(LOCAL)), "x", 2048)
+    assert unset.max_body_bytes == 4 << 20 and unset.request_timeout is None  # the server's
+    for bad in ({"max_num_queued_requests": 0}, {"request_timeout": -1}, {"max_body_bytes": "1"}):
+        with pytest.raises(ClusterConfigError, match=next(iter(bad))):
+            parse_cluster_config({"deployment_config": bad})
+
+
+def test_the_gateways_keys_are_checked_with_the_file():
+    bad = {"gateway": {"keys": [{"name": "a", "key": "k", "models": [[1]]}]}}
+    with pytest.raises(ClusterConfigError, match="models"):
+        parse_cluster_config(bad)
+    with pytest.raises(ClusterConfigError, match="queue_sise"):
+        parse_cluster_config({"gateway": {"overload": {"queue_sise": 3}}})
+
+
+# ----- the controller's supervision, with Ray's calls faked -----------------------------------
+
+
+@pytest.fixture
+def controller(monkeypatch):
+    pytest.importorskip("ray")
+    from pagellm.cluster import controller as module
+
+    monkeypatch.setattr(module, "_was_restarted", lambda: False)
+
+    def make(**ray_config) -> module.ClusterController:
+        return module.ClusterController({**LOCAL, "ray_config": ray_config})
+
+    return make
+
+
+def test_supervision_goes_on_after_an_unexpected_error(controller):
+    import asyncio
+
+    c = controller(health_interval=0.01)
+    rounds = []
+
+    async def flaky_sync() -> None:
+        rounds.append(1)
+        if len(rounds) <= 2:
+            raise RuntimeError("boom")
+
+    async def steady() -> None:
+        return None
+
+    c._sync_gateway, c._scale = flaky_sync, steady
+
+    async def scenario() -> None:
+        task = asyncio.create_task(c._supervise())
+        while len(rounds) < 3:
+            assert not task.done(), task
+            await asyncio.sleep(0.01)
+        task.cancel()
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert sum("RuntimeError: boom" in event for event in c.events) == 2
+
+
+def test_a_replica_that_cannot_be_placed_is_given_up_after_the_start_timeout(
+    controller, monkeypatch
+):
+    import asyncio
+    import importlib
+
+    groups = importlib.import_module("ray.util.placement_group")  # the module, not the function
+    removed = []
+
+    class Unplaceable:
+        def ready(self) -> asyncio.Future:
+            return asyncio.get_running_loop().create_future()  # never: no node has room
+
+    monkeypatch.setattr(groups, "placement_group", lambda bundles, strategy: Unplaceable())
+    monkeypatch.setattr(groups, "remove_placement_group", removed.append)
+    c = controller(start_timeout=0.2)
+    placed = asyncio.run(asyncio.wait_for(c._add_replica(), 10))
+    assert placed is False and c.slots == []
+    assert len(removed) == 1 and isinstance(removed[0], Unplaceable)
+    assert any("could not be placed" in event for event in c.events), c.events

@@ -1,18 +1,22 @@
 """The cluster file: one YAML in the shape operators write for vLLM on Ray, read and checked
 whole (an unknown key is an error that names it), and the plan it resolves to.
 
-    deployment_config: {model: PATH, served_model_name: NAME}
+    deployment_config: {model: PATH, served_model_name: NAME, replica_host: 127.0.0.1,
+                        api_key: KEY, max_num_queued_requests: N, request_timeout: S, ...}
     engine_args: {tensor_parallel_size: 1, max_num_seqs: 64, ...}   # pagellm's engine settings
     ray_config: {address: auto, num_replicas: 2, min_replicas: 1, max_replicas: 4,
                  resources_per_replica: {CPU: 1}, max_restarts: 3, ...}
     gateway: {host: 127.0.0.1, port: 8080, routing: least-load, keys: [...], overload: {...}}
 
-No torch and no ray here: ``pagellm cluster up --dry-run`` works anywhere.
+No torch and no ray here: ``pagellm cluster up --dry-run`` works anywhere. A replica reachable
+from other machines (a replica_host that is not loopback) must require a key (api_key): else
+anyone who can reach it bypasses the gateway's keys and limits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,11 @@ _VLLM_ONLY = {
 }
 
 
+SERVER_LIMITS = ("max_num_queued_requests", "max_num_queued_tokens", "request_timeout",
+                 "max_body_bytes")  # fmt: skip
+"""deployment_config fields that are the replicas' server settings of the same names."""
+
+
 class ClusterConfigError(ValueError):
     """The cluster file cannot be used; the message names the section and key."""
 
@@ -38,9 +47,19 @@ class DeploymentConfig:
     served_model_name: str | None = None
     replica_host: str = "127.0.0.1"
     """Address a replica's server binds and is reached at (its node's address in a real
-    multi-machine cluster)."""
+    multi-machine cluster); one that is not loopback needs api_key."""
     api_key: str | None = None
-    """Key the replicas require (the gateway sends it); none: replicas are open."""
+    """Key the replicas require (the gateway sends it); none: replicas are open, which only a
+    loopback replica_host may be."""
+    max_num_queued_requests: int | None = None
+    """Each replica's server setting of that name (its sequences waiting for a first token; over
+    it, 503 with Retry-After); none: the server's default."""
+    max_num_queued_tokens: int | None = None
+    """Each replica's server setting: prompt tokens waiting; over it, 503. None: unbounded."""
+    request_timeout: float | None = None
+    """Each replica's server setting: seconds after which a request is aborted (504)."""
+    max_body_bytes: int | None = None
+    """Each replica's server setting: largest request body (413); none: the server's default."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +110,10 @@ class GatewayConfig:
     health_interval: float = 2.0
     breaker_failures: int = 3
     breaker_reset: float = 5.0
+    max_body_bytes: int = 4 << 20
+    upstream_timeout: float = 600.0
     keys: list[dict[str, Any]] = field(default_factory=list)
+    """As the gateway's config file gives them (checked the same way)."""
     overload: dict[str, Any] = field(default_factory=dict)
 
 
@@ -129,6 +151,9 @@ class ClusterConfig:
                     "namespace": self.ray.namespace, "controller": self.ray.name},
             "model": self.deployment.model or "(default SmolLM2-135M-Instruct)",
             "served_model_name": self.deployment.served_model_name,
+            "replica_server": {"host": self.deployment.replica_host,
+                               "api_key": "(set)" if self.deployment.api_key else None,
+                               **{name: getattr(self.deployment, name) for name in SERVER_LIMITS}},
             "replicas": {"initial": self.ray.num_replicas, "min": self.min_replicas,
                          "max": self.max_replicas, "max_restarts": self.ray.max_restarts,
                          "controller_max_restarts": self.ray.controller_max_restarts},
@@ -261,3 +286,38 @@ def _check(config: ClusterConfig, where: str) -> None:
 
     if config.gateway.routing not in ROUTING_POLICIES:
         raise ClusterConfigError(f"{where}: gateway.routing must be one of {ROUTING_POLICIES}")
+    _check_deployment(config.deployment, where)
+    _check_gateway(config.gateway, where)
+
+
+def _check_deployment(d: DeploymentConfig, where: str) -> None:
+    if not d.api_key and not _is_loopback(d.replica_host):
+        raise ClusterConfigError(
+            f"{where}: deployment_config.replica_host {d.replica_host!r} can be reached from "
+            "other machines, which would bypass the gateway's keys and limits: set "
+            "deployment_config.api_key (the replicas then require it; the gateway sends it)"
+        )
+    for name in SERVER_LIMITS:
+        value = getattr(d, name)
+        if value is not None and value <= 0:
+            raise ClusterConfigError(f"{where}: deployment_config.{name} must be above 0")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost: it may resolve anywhere
+        return False
+
+
+def _check_gateway(g: GatewayConfig, where: str) -> None:
+    """The keys and overload rules as the gateway checks its own config file."""
+    from pagellm.gateway.config import ConfigError, checked_keys, checked_overload
+
+    try:
+        checked_keys(g.keys, f"{where}: gateway")
+        checked_overload(g.overload, f"{where}: gateway")
+    except ConfigError as exc:
+        raise ClusterConfigError(str(exc)) from exc

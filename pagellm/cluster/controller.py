@@ -7,13 +7,20 @@ up restarting it) is replaced. Ray restarts the controller itself when its proce
 (``controller_max_restarts``); the replicas and placement groups it owned end with it, and the
 new controller starts the gateway and the replicas afresh, on its own.
 
+Every wait is bounded: a replica that cannot be placed within ``start_timeout`` (no node has
+room) is given up (its placement group removed, an event recorded), and scaling runs beside the
+replicas' health looks, never in their way. The supervision loop survives what it did not expect:
+the error is logged and recorded as an event, and the next round goes on.
+
 Like ReplicaServer, the class is plain; ``ray.remote`` is applied by ``pagellm.cluster.api``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
+import logging
 import os
 import time
 import warnings
@@ -25,6 +32,9 @@ from pagellm.cluster.config import ClusterConfig, parse_cluster_config
 
 LOOK_TIMEOUT = 5.0
 """Seconds a replica may take to answer the controller's look before it counts as down."""
+GATEWAY_START_TIMEOUT = 30.0
+"""Seconds the gateway's server may take to start listening (or to stop)."""
+log = logging.getLogger("pagellm.cluster")
 
 
 @dataclass
@@ -55,9 +65,10 @@ class ClusterController:
         self.slots: list[_Slot] = []
         self.events: list[str] = []
         self._names = itertools.count()
-        self._scaling = False
+        self._scaling: asyncio.Task | None = None
         self._gateway: Any = None
         self._server: Any = None
+        self._serving: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
         self.restarted = _was_restarted()
         if self.restarted:
@@ -79,13 +90,14 @@ class ClusterController:
         return f"http://{g.host}:{g.port}"
 
     async def shutdown(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        for task in [*self._tasks, *([self._scaling] if self._scaling else [])]:
+            if task is not self._serving:
+                task.cancel()
         for slot in list(self.slots):
             await self._remove(slot, "shutdown")
-        if self._server is not None:
-            self._server.should_exit = True
-            await asyncio.sleep(0.2)
+        if self._serving is not None:
+            self._server.should_exit = True  # it stops serving, then its task ends
+            await asyncio.wait([self._serving], timeout=GATEWAY_START_TIMEOUT)
 
     async def status(self) -> dict[str, Any]:
         g = self.config.gateway
@@ -114,15 +126,18 @@ class ClusterController:
         settings = GatewaySettings(
             fleet=self._fleet([]), routing=g.routing, max_attempts=g.max_attempts,
             health_interval=g.health_interval, breaker_failures=g.breaker_failures,
-            breaker_reset=g.breaker_reset, backend_api_key=self.config.deployment.api_key,
+            breaker_reset=g.breaker_reset, upstream_timeout=g.upstream_timeout,
+            max_body_bytes=g.max_body_bytes, backend_api_key=self.config.deployment.api_key,
         )  # fmt: skip
         self._gateway = Gateway(settings)
         config = uvicorn.Config(build_gateway_app(self._gateway), host=g.host, port=g.port,
                                 log_level="warning")  # fmt: skip
         self._server = uvicorn.Server(config)
-        self._tasks.append(asyncio.create_task(self._server.serve()))
+        self._serving = asyncio.create_task(self._server.serve())
+        self._tasks.append(self._serving)
+        deadline = time.monotonic() + GATEWAY_START_TIMEOUT
         while not self._server.started:
-            if self._tasks[-1].done():
+            if self._serving.done() or time.monotonic() > deadline:
                 raise RuntimeError(f"the gateway could not start on {g.host}:{g.port}")
             await asyncio.sleep(0.05)
 
@@ -140,9 +155,10 @@ class ClusterController:
 
     # ----- replicas -----------------------------------------------------------------------
 
-    async def _add_replica(self) -> None:
+    async def _add_replica(self) -> bool:
+        """Place and start one replica; False when it could not be placed in time."""
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from pagellm.cluster.replica import ReplicaServer
@@ -150,7 +166,15 @@ class ClusterController:
         cfg = self.config
         bundles = cfg.bundles()
         group = placement_group(bundles, strategy=cfg.ray.placement_strategy)
-        await group.ready()
+        try:
+            await asyncio.wait_for(group.ready(), cfg.ray.start_timeout)
+        except TimeoutError:
+            remove_placement_group(group)
+            self.events.append(
+                f"a replica could not be placed within {cfg.ray.start_timeout:g} s "
+                f"(bundles {bundles}, {cfg.ray.placement_strategy}): no room; given up"
+            )
+            return False
         first = dict(bundles[0])
         actor = (
             ray.remote(ReplicaServer)
@@ -166,6 +190,7 @@ class ClusterController:
         self.events.append(f"{slot.name}: placed")
         await self._look(slot, cfg.ray.start_timeout)
         await self._sync_gateway()
+        return True
 
     async def _look(self, slot: _Slot, timeout: float = LOOK_TIMEOUT) -> None:
         """Ask one replica where it is and how loaded; no answer takes it out of rotation, and
@@ -204,10 +229,10 @@ class ClusterController:
         ray.kill(slot.actor, no_restart=False)
 
     async def _replace(self, slot: _Slot) -> None:
+        """Remove a replica gone for good; scaling (beside the looks) places a new one if that
+        leaves fewer than min_replicas."""
         self.events.append(f"{slot.name}: no answer since a start's time; replacing it")
         await self._remove(slot, "dead")
-        if len(self.slots) < self.config.min_replicas:
-            await self._add_replica()
 
     async def _remove(self, slot: _Slot, why: str) -> None:
         import ray
@@ -228,10 +253,21 @@ class ClusterController:
     async def _supervise(self) -> None:
         while True:
             await asyncio.sleep(self.config.ray.health_interval)
-            await asyncio.gather(*(self._look(s) for s in list(self.slots)))
-            await self._sync_gateway()
-            if not self._scaling:
-                await self._scale()
+            await self._guarded("supervise", self._supervise_once)
+
+    async def _supervise_once(self) -> None:
+        await asyncio.gather(*(self._look(s) for s in list(self.slots)))
+        await self._sync_gateway()
+        if self._scaling is None or self._scaling.done():  # one scaling step at a time
+            self._scaling = asyncio.create_task(self._guarded("scale", self._scale))
+
+    async def _guarded(self, what: str, step: Any) -> None:
+        """Run one step; an error it did not expect is logged and recorded as an event."""
+        try:
+            await step()
+        except Exception as exc:
+            log.exception("cluster controller: %s failed", what)
+            self.events.append(f"{what}: unexpected {type(exc).__name__}: {exc}")
 
     async def _scale(self) -> None:
         up = [s for s in self.slots if s.url]
@@ -240,18 +276,12 @@ class ClusterController:
         outstanding = sum(r.outstanding for r in self._gateway.replicas)
         load = Load(len(self.slots), waiting, max(running, float(outstanding)))
         want = self.autoscaler.desired(load)
-        if want == len(self.slots):
-            return
-        self._scaling = True
-        try:
-            if want > len(self.slots):
-                self.events.append(f"scale up: {waiting:.0f} waiting on {len(self.slots)}")
-                await self._add_replica()
-            else:
-                self.events.append("scale down: idle")
-                await self._remove(self.slots[-1], "scaled down")
-        finally:
-            self._scaling = False
+        if want > len(self.slots):
+            self.events.append(f"scale up: {waiting:.0f} waiting on {len(self.slots)}")
+            await self._add_replica()
+        elif want < len(self.slots):
+            self.events.append("scale down: idle")
+            await self._remove(self.slots[-1], "scaled down")
 
 
 def _was_restarted() -> bool:
@@ -264,6 +294,6 @@ def _was_restarted() -> bool:
 
 
 def _deployment(cfg: ClusterConfig) -> dict[str, Any]:
-    d = cfg.deployment
-    return {"model": d.model, "served_model_name": d.served_model_name,
-            "replica_host": d.replica_host, "api_key": d.api_key}  # fmt: skip
+    """What a replica is built from: the deployment config (model, address, key, the server's
+    queue limits and timeouts) as plain data."""
+    return dataclasses.asdict(cfg.deployment)

@@ -23,16 +23,14 @@ class ReplicaServer:
         from pagellm.engine.async_engine import AsyncLLMEngine
         from pagellm.engine_factory import build_engine
         from pagellm.fetch import DEFAULT_FILE
-        from pagellm.server.app import ServerSettings, build_app
+        from pagellm.server.app import build_app
 
         model = deployment.get("model")
         engine, tokenizer = build_engine(EngineConfig.from_flat(model=model, **engine_args))
         self.front = AsyncLLMEngine(engine)
         self.front.start()
         name = deployment.get("served_model_name") or model or DEFAULT_FILE.removesuffix(".gguf")
-        settings = ServerSettings(
-            model_name=name, max_model_len=engine.max_model_len, api_key=deployment.get("api_key")
-        )
+        settings = server_settings(deployment, name, engine.max_model_len)
         host = deployment.get("replica_host", "127.0.0.1")
         port = _free_port(host)
         config = uvicorn.Config(build_app(self.front, tokenizer, settings), host=host, port=port,
@@ -77,6 +75,21 @@ class ReplicaServer:
         self.server.should_exit = True
         self.thread.join(10)
         self.front.shutdown()
+
+
+def server_settings(deployment: dict[str, Any], model_name: str, max_model_len: int) -> Any:
+    """The replica's ServerSettings: its key and the queue limits and timeouts the deployment
+    config gives (the server's own defaults for those it leaves out)."""
+    from pagellm.cluster.config import SERVER_LIMITS
+    from pagellm.server.app import ServerSettings
+
+    limits = {name: deployment[name] for name in SERVER_LIMITS if deployment.get(name) is not None}
+    return ServerSettings(
+        model_name=model_name,
+        max_model_len=max_model_len,
+        api_key=deployment.get("api_key"),
+        **limits,
+    )
 
 
 def _free_port(host: str) -> int:
