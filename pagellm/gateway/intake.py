@@ -103,7 +103,10 @@ def prompt_bound(prompt: Any) -> int:
     given, or the prompt's UTF-8 bytes (as JSON) plus PROMPT_MARGIN."""
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return len(prompt)
-    return len(json.dumps(prompt, ensure_ascii=False).encode()) + PROMPT_MARGIN
+    # surrogatepass: a lone surrogate (JSON escapes allow one) still has a length; the replica
+    # refuses such text with a 400
+    text = json.dumps(prompt, ensure_ascii=False)
+    return len(text.encode("utf-8", "surrogatepass")) + PROMPT_MARGIN
 
 
 def completion_cap(default: int, longest_prompt: int, max_model_len: int | None) -> int | None:

@@ -145,11 +145,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", []) if p != "body"]
-        message = first.get("msg", "invalid request")
+        message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
         if first.get("type") == "json_invalid":
             message = "the request body is not valid JSON"
-        return error_response(APIError(400, message, param=".".join(loc) or None))
+        return error_response(APIError(400, message, param=_param_path(first.get("loc", ()))))
 
     @app.exception_handler(ParamError)
     async def _param(_: Request, exc: ParamError) -> JSONResponse:
@@ -176,6 +175,21 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error in a handler")
         return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
+
+
+def _param_path(loc) -> str | None:
+    """The field a validation error is about (``messages.0.content``), without pydantic's
+    union branch tags (``str``, ``list[int]``, ``function-after[...]``)."""
+    parts = []
+    for part in loc:
+        if part == "body":
+            continue
+        if isinstance(part, str) and not part.isidentifier():
+            break  # a branch tag: what follows belongs to one guess at the type
+        if part in ("str", "int", "float", "bool", "list", "dict"):
+            break
+        parts.append(str(part))
+    return ".".join(parts) or None
 
 
 def _install_guards(app: FastAPI, settings: ServerSettings) -> None:
