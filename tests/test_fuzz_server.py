@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from fuzz_requests import ENDPOINTS, FUZZ_SETTINGS, RAW, SERVER_FLAGS, check_answer, encode
-from hypothesis import given
+from hypothesis import given, note
 from hypothesis import strategies as st
 from server_helpers import AUTH, running_server
 
@@ -24,6 +24,7 @@ def fuzz_server(tiny_models):
 
 def fire(client: httpx.Client, path: str, body) -> None:
     raw = encode(body)
+    note(f"{path} {raw[:500]!r}")
     resp = client.post(path, content=raw, headers={"content-type": "application/json"})
     check_answer(resp, raw)
     normal = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
