@@ -289,6 +289,22 @@ def test_the_prompt_is_counted_off_the_event_loop():
     run(scenario())
 
 
+def test_a_prompt_the_tokenizer_cannot_take_is_a_400_not_a_500():
+    class Failing(_CountingTokenizer):
+        def chat_token_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+            raise RuntimeError("the chat template raised")  # e.g. a jinja error
+
+    async def scenario() -> None:
+        up = Upstream()
+        app = build_gateway_app(gateway(up, tokenizers={"m": Failing()}))
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        reply = await call(app, chat, "/v1/chat/completions")
+        assert reply.status == 400 and "template" in reply.error["message"]
+        assert not up.seen
+
+    run(scenario())
+
+
 # ----- 2. metric labels ---------------------------------------------------------------------------
 
 

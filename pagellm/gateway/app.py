@@ -463,7 +463,7 @@ class Gateway:
             return None
         try:
             lengths = await asyncio.to_thread(prompt_lengths, tokenizer, call.body)
-        except (ValueError, TypeError, AttributeError) as exc:
+        except Exception as exc:  # the client's prompt (or chat template input) it cannot take
             raise APIError(400, f"cannot read the prompt: {exc}") from exc
         limit = self.max_model_len.get(call.model)
         if limit is not None:
