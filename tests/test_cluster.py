@@ -189,26 +189,46 @@ def test_a_killed_controller_comes_back_with_its_gateway_and_replicas(ray_cluste
         old_replica = int(_up(before)[0]["load"]["pid"])
         os.kill(before["controller"]["pid"], signal.SIGKILL)  # the gateway dies with it
 
-        def back() -> bool:
-            try:
-                now = api.status(config)
-            except Exception:  # noqa: BLE001 - the actor is restarting
-                return False
-            return now["controller"]["restarted"] and len(_up(now)) == 1
+        seen: dict[str, object] = {}  # the last status and error, for a failure's message
 
-        wait_until(back, timeout=180, what="Ray to restart the controller and its replica")
+        def back() -> bool:
+            """The restarted controller reports its replica up, and its gateway (at the same
+            address) serves that replica's model."""
+            try:
+                now = seen["status"] = api.status(config, timeout=10)
+                served = httpx.get(f"{gateway}/v1/models", timeout=5).json()["data"]
+            except Exception as exc:  # noqa: BLE001 - the actor, or its gateway, is restarting
+                seen["error"] = repr(exc)
+                return False
+            up = now["controller"]["restarted"] and len(_up(now)) == 1
+            return up and [m["id"] for m in served] == ["tiny"]
+
+        # a new process, Ray's restart, the gateway and a fresh replica loading its model:
+        # minutes when other work shares the machine's 2 cores
+        try:
+            wait_until(back, timeout=420, what="Ray to restart the controller and its replica")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; last seen: {seen}") from exc
         r = httpx.post(f"{gateway}/v1/completions", json=body, timeout=60)  # the same address
         assert r.status_code == 200, r.text
-        after = api.status(config)
+        after = api.status(config, timeout=60)
         assert "controller: restarted by Ray" in "\n".join(after["events"])
         assert int(_up(after)[0]["load"]["pid"]) != old_replica
-        with pytest.raises(ProcessLookupError):  # Ray ended the replica the dead one owned
-            os.kill(old_replica, 0)
+        # Ray ends the replica the dead controller owned
+        wait_until(lambda: not _alive(old_replica), timeout=60, what="the old replica to end")
     finally:
         with contextlib.suppress(api.ClusterError):
             api.down(config)
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{gateway}/health", timeout=2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_ray_ranks_outside_a_cluster_get_a_placement_group_of_their_own(ray_cluster, tiny_models):

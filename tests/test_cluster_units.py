@@ -215,3 +215,42 @@ def test_a_replica_that_cannot_be_placed_is_given_up_after_the_start_timeout(
     assert placed is False and c.slots == []
     assert len(removed) == 1 and isinstance(removed[0], Unplaceable)
     assert any("could not be placed" in event for event in c.events), c.events
+
+
+def test_a_restarted_controller_resumes_through_a_retried_call_to_itself(controller, monkeypatch):
+    """Sent while Ray still has the actor restarting, the call may be refused: only a retried
+    one surely reaches the restarted controller."""
+    import asyncio
+
+    import ray
+
+    from pagellm.cluster import controller as module
+
+    sent = []
+
+    class Method:
+        def options(self, **options):
+            sent.append(options)
+            return self
+
+        def remote(self):
+            sent.append("sent")
+
+    class Context:
+        current_actor = type("Actor", (), {"resume": Method(), "start": Method()})()
+
+    monkeypatch.setattr(module, "_was_restarted", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", Context)
+    c = module.ClusterController(LOCAL)
+    assert sent and sent[0]["max_task_retries"] >= 1 and sent[-1] == "sent"
+    started = []
+
+    async def start() -> str:
+        started.append(1)
+        c._gateway = object()
+        return "url"
+
+    c.start = start
+    asyncio.run(c.resume())
+    asyncio.run(c.resume())  # a retried call that arrives after all: nothing twice
+    assert started == [1]

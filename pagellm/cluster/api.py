@@ -92,7 +92,9 @@ def up(config: str | Path | dict[str, Any]) -> str:
         raise
 
 
-def status(config: str | Path | dict[str, Any]) -> dict[str, Any]:
+def status(config: str | Path | dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    """The controller's report; ray's GetTimeoutError when it takes over ``timeout`` seconds
+    to answer (it may be restarting)."""
     import ray
 
     _, cfg = _read(config)
@@ -100,7 +102,7 @@ def status(config: str | Path | dict[str, Any]) -> dict[str, Any]:
     controller = _controller(cfg)
     if controller is None:
         raise ClusterError(f"no cluster named {cfg.ray.name!r} is up")
-    return ray.get(controller.status.remote())
+    return ray.get(controller.status.remote(), timeout=timeout)
 
 
 def down(config: str | Path | dict[str, Any]) -> None:

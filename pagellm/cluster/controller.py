@@ -32,6 +32,8 @@ from pagellm.cluster.config import ClusterConfig, parse_cluster_config
 
 LOOK_TIMEOUT = 5.0
 """Seconds a replica may take to answer the controller's look before it counts as down."""
+RESUME_RETRIES = 10
+"""Times Ray sends a restarted controller's call to itself again when it is refused."""
 GATEWAY_START_TIMEOUT = 30.0
 """Seconds the gateway's server may take to start listening (or to stop)."""
 log = logging.getLogger("pagellm.cluster")
@@ -75,7 +77,11 @@ class ClusterController:
             import ray
 
             self.events.append("controller: restarted by Ray; starting the gateway and replicas")
-            ray.get_runtime_context().current_actor.start.remote()  # runs once __init__ returns
+            # sent while Ray still has this actor restarting, the call may be refused: Ray then
+            # sends it again once the actor is alive (a refused call with no retry left would
+            # leave the restarted controller without its gateway and replicas)
+            resume = ray.get_runtime_context().current_actor.resume
+            resume.options(max_task_retries=RESUME_RETRIES).remote()
 
     # ----- lifecycle ------------------------------------------------------------------------
 
@@ -88,6 +94,11 @@ class ClusterController:
         self._tasks.append(asyncio.create_task(self._supervise()))
         g = self.config.gateway
         return f"http://{g.host}:{g.port}"
+
+    async def resume(self) -> None:
+        """Start after Ray restarted this controller; nothing if it is started already."""
+        if self._gateway is None:
+            await self.start()
 
     async def shutdown(self) -> None:
         for task in [*self._tasks, *([self._scaling] if self._scaling else [])]:
