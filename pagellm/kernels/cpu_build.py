@@ -43,7 +43,9 @@ def build_library(source_name: str) -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C++ compiler found: using the PyTorch attention path")
         return None
-    digest = hashlib.sha256(source.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    # -march=native: a library built on one CPU may not run on another, so the CPU is in the key
+    key = source.read_bytes() + " ".join(_FLAGS).encode() + _cpu_flags().encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{source.stem}-{digest}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -56,3 +58,12 @@ def build_library(source_name: str) -> ctypes.CDLL | None:
                 return None
             built.replace(target)  # atomic: concurrent builders never load a partial file
     return ctypes.CDLL(str(target))
+
+
+def _cpu_flags() -> str:
+    """The instruction-set flags of this CPU (Linux), or "" where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""

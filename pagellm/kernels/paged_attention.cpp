@@ -225,6 +225,27 @@ void (*pick_avx512(int head_dim, int group))(const Args&, int, int, std::vector<
 }
 #endif
 
+// Softmax in place over n scores, for CPUs without AVX-512 (the compiler vectorizes what it can).
+void softmax_portable(float* s, int n) {
+  float mx = -3.0e38f;
+  for (int j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  float sum = 0.f;
+  for (int j = 0; j < n; ++j) {
+    s[j] = std::exp(s[j] - mx);
+    sum += s[j];
+  }
+  const float inv = 1.f / sum;
+  for (int j = 0; j < n; ++j) s[j] *= inv;
+}
+
+inline void softmax(float* s, int n) {
+#if defined(__AVX512F__)
+  softmax_avx512(s, n);
+#else
+  softmax_portable(s, n);
+#endif
+}
+
 template <typename T>
 void attend_pair(const Args& a, int b, int kvh, std::vector<float>& scores,
                  std::vector<float>& acc, std::vector<float>& qf) {
@@ -252,7 +273,7 @@ void attend_pair(const Args& a, int b, int kvh, std::vector<float>& scores,
       scores[static_cast<size_t>(g) * ctx + j] = s;
     }
   }
-  for (int g = 0; g < group; ++g) softmax_avx512(scores.data() + static_cast<size_t>(g) * ctx, ctx);
+  for (int g = 0; g < group; ++g) softmax(scores.data() + static_cast<size_t>(g) * ctx, ctx);
   for (int j = 0; j < ctx; ++j) {
     const int64_t row = (head_base + static_cast<int64_t>(table[j / a.block_size]) * a.block_size +
                          j % a.block_size) * d;
