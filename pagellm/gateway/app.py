@@ -31,14 +31,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
 from pagellm.engine.errors import ContextLengthExceeded
@@ -54,6 +47,7 @@ from pagellm.gateway.intake import (
     read_body,
 )
 from pagellm.gateway.limits import Denied, KeyPolicy, KeyRing
+from pagellm.gateway.metrics import GatewayMetrics
 from pagellm.gateway.overload import AdmissionQueue
 from pagellm.gateway.precheck import check_fits, prompt_lengths
 from pagellm.gateway.routing import Replica, Router
@@ -64,76 +58,6 @@ _BREAKER_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerStat
 _LOST = (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
 """Failures of the connection itself (refused, reset, closed without an answer)."""
 log = logging.getLogger("pagellm.gateway")
-
-
-class GatewayMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.requests = Counter(
-            "pagellm_gateway:requests",
-            "Requests by API key name, model ('unknown' unless a replica serves it and the key "
-            "was checked), replica ('gateway' when answered here) and status.",
-            ["key", "model", "replica", "status"],
-            registry=self.registry,
-        )
-        self.retries = Counter(
-            "pagellm_gateway:retries",
-            "Requests retried on another replica.",
-            registry=self.registry,
-        )
-        self.upstream_latency = Histogram(
-            "pagellm_gateway:upstream_response_seconds",
-            "Time from sending upstream to the replica's response headers.",
-            ["replica"],
-            registry=self.registry,
-        )
-        self.breaker = Gauge(
-            "pagellm_gateway:breaker_state",
-            "Circuit breaker per replica: 0 closed, 1 half-open, 2 open.",
-            ["replica"],
-            registry=self.registry,
-        )
-        self.breaker_opens = Counter(
-            "pagellm_gateway:breaker_opens",
-            "Times a replica's circuit breaker opened (or re-opened after a failed probe).",
-            ["replica"],
-            registry=self.registry,
-        )
-        self.outstanding = Gauge(
-            "pagellm_gateway:outstanding",
-            "Requests the gateway has in flight at each replica.",
-            ["replica"],
-            registry=self.registry,
-        )
-        self.key_in_flight = Gauge(
-            "pagellm_gateway:key_in_flight",
-            "Requests in flight per API key name.",
-            ["key"],
-            registry=self.registry,
-        )
-        self.overload = Counter(
-            "pagellm_gateway:overload_actions",
-            "Overload steps taken: capped (max_tokens), fallback, queued, rejected (503).",
-            ["action"],
-            registry=self.registry,
-        )
-        self.queue_depth = Gauge(
-            "pagellm_gateway:queue_depth",
-            "Requests waiting at the gateway for a replica with room.",
-            registry=self.registry,
-        )
-        self.reloads = Counter(
-            "pagellm_gateway:config_reloads",
-            "Reloads of the config file, by result (ok, error).",
-            ["result"],
-            registry=self.registry,
-        )
-        self.background_errors = Counter(
-            "pagellm_gateway:background_errors",
-            "Unexpected errors in a background loop (logged; the loop went on), by loop.",
-            ["loop"],
-            registry=self.registry,
-        )
 
 
 class _Lease:
