@@ -167,8 +167,8 @@ class LLMEngine:
 
     def check_params(self, params: SamplingParams) -> None:
         """What a request's parameters must meet for this model (its vocabulary); raises
-        ParamError. ``SamplingParams`` checked the rest when it was made."""
-        params.validate()
+        ParamError. ``SamplingParams`` checked the rest when it was made (not again here: this
+        runs in the engine thread for every request)."""
         params.check_vocab(self.vocab_size)
 
     def check_priority(self, priority: int) -> None:

@@ -97,29 +97,25 @@ class SamplingParams:
             "stop_token_ids",
             f"takes at most {MAX_STOP_TOKEN_IDS} ids",
         )
-        for t in self.stop_token_ids:
-            _check_int(t, "stop_token_ids", 0, SEED_MAX)
+        _check_ids(self.stop_token_ids, "stop_token_ids")
 
     def _validate_token_choice(self) -> None:
-        for token, bias in (self.logit_bias or {}).items():
-            _check_int(token, "logit_bias", 0, SEED_MAX)
-            _check(
-                isinstance(bias, int | float) and math.isfinite(bias),
-                "logit_bias",
-                "values must be finite numbers",
-            )
-            _check(
-                -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE,
-                "logit_bias",
-                f"values must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]",
-            )
+        bias = self.logit_bias or {}
+        _check_ids(list(bias), "logit_bias")
+        _check(
+            all(
+                _is_number(b) and -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE for b in bias.values()
+            ),
+            "logit_bias",
+            f"values must be finite numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]",
+        )
         if self.allowed_token_ids is not None:
             _check(bool(self.allowed_token_ids), "allowed_token_ids", "must not be empty")
-            for t in self.allowed_token_ids:
-                _check_int(t, "allowed_token_ids", 0, SEED_MAX)
+            _check_ids(self.allowed_token_ids, "allowed_token_ids")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Token ids and top_k against the model's vocabulary; raises ParamError."""
+        """Token ids and top_k against the model's vocabulary; raises ParamError. Linear in
+        the lists with builtins only: it runs for every request, in the engine thread too."""
         _check(self.top_k <= vocab_size, "top_k", f"must be at most the vocabulary ({vocab_size})")
         _check(
             len(self.allowed_token_ids or ()) <= vocab_size,
@@ -128,11 +124,11 @@ class SamplingParams:
         )
         for name, ids in (
             ("stop_token_ids", self.stop_token_ids),
-            ("logit_bias", list(self.logit_bias or ())),
-            ("allowed_token_ids", self.allowed_token_ids or []),
+            ("logit_bias", self.logit_bias or ()),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
         ):
             _check(
-                all(t < vocab_size for t in ids), name, f"token ids must be in [0, {vocab_size})"
+                max(ids, default=-1) < vocab_size, name, f"token ids must be in [0, {vocab_size})"
             )
 
     @property
@@ -169,6 +165,17 @@ def _check(ok: bool, param: str, message: str) -> None:
 def _check_int(value: object, param: str, low: int, high: int) -> None:
     _check(isinstance(value, int) and not isinstance(value, bool), param, "must be an integer")
     _check(low <= value <= high, param, f"must be in [{low}, {high}]")
+
+
+def _is_number(value: object) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _check_ids(ids: list, param: str) -> None:
+    """Token ids: integers (not bools) in [0, 2**63), checked with builtins (lists can be as
+    long as the vocabulary)."""
+    _check(all(type(t) is int for t in ids), param, "must be integers")
+    _check(not ids or (min(ids) >= 0 and max(ids) <= SEED_MAX), param, "must be in [0, 2**63)")
 
 
 def _check_finite(params: SamplingParams, names: tuple[str, ...]) -> None:

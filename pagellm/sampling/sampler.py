@@ -136,8 +136,6 @@ def _shape_logits(row: torch.Tensor, req: ScheduledRequest, shaping: _Shaping | 
     if shaping is not None:
         _apply_bias_and_allowed(row, shaping)
     _apply_min_tokens(row, req)
-    # extreme (valid) penalties can overflow: keep the row orderable and softmax-able
-    torch.nan_to_num_(row, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
 
 
 def _apply_bias_and_allowed(row: torch.Tensor, shaping: _Shaping) -> None:
@@ -156,7 +154,9 @@ def _apply_penalties(row: torch.Tensor, req: ScheduledRequest) -> None:
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(req.prompt_token_ids) | set(req.output_token_ids)))
         vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        penalized = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        # a tiny (valid) penalty can overflow: keep the row finite, orderable and softmax-able
+        row[seen] = penalized.clamp_(max=torch.finfo(row.dtype).max)
     if req.output_token_ids and (p.frequency_penalty or p.presence_penalty):
         counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=row.shape[0])
         counts = counts[: row.shape[0]].to(row.dtype)

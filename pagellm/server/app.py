@@ -357,12 +357,17 @@ class _Context:
         ):
             raise APIError(503, "the server is busy: too many queued prompt tokens", **_RETRY)
 
-    def _params(self, body, prompt_len: int, max_tokens: int | None, logprobs) -> SamplingParams:
+    def _params(
+        self, body, prompt_lens: list[int], max_tokens: int | None, logprobs
+    ) -> SamplingParams:
+        """One validated SamplingParams for all of a request's prompts (built and checked once:
+        its lists may be as long as the vocabulary), after every prompt's length check."""
         limit = self.settings.max_model_len
         if max_tokens is None:
-            max_tokens = limit - prompt_len
-        if prompt_len + max_tokens > limit:
-            raise ContextLengthExceeded(prompt_len, max_tokens, limit)
+            max_tokens = limit - max(prompt_lens)
+        for prompt_len in prompt_lens:
+            if prompt_len + max_tokens > limit:
+                raise ContextLengthExceeded(prompt_len, max_tokens, limit)
         self.front.engine.check_priority(body.priority)
         params = body.sampling_params(max_tokens, logprobs)
         self.front.engine.check_params(params)
@@ -378,13 +383,13 @@ class _Context:
         self._check_seqs(len(prompts), body.n)
         prepared = await self._prepare(prompts)
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
-        params = [self._params(body, len(ids), max_tokens, body.logprobs) for _, ids in prepared]
-        self._admit(len(prompts) * body.n, sum(len(ids) for _, ids in prepared))
+        lengths = [len(ids) for _, ids in prepared]
+        params = self._params(body, lengths, max_tokens, body.logprobs)
+        self._admit(len(prompts) * body.n, sum(lengths))
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         gens = [
-            self._generate(f"{rid}-{i}", prompt, p, body)
-            for i, (prompt, p) in enumerate(zip(prepared, params, strict=True))
+            self._generate(f"{rid}-{i}", prompt, params, body) for i, prompt in enumerate(prepared)
         ]
         if body.stream:
             return _sse(self._completion_events(gens, rid, created, body))
@@ -434,7 +439,7 @@ class _Context:
         ids = self.front.engine.prepare_prompt(ids)[1]
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._params(body, len(ids), max_tokens, top)
+        params = self._params(body, [len(ids)], max_tokens, top)
         self._admit(body.n, len(ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
