@@ -14,14 +14,12 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
+from pagellm.bench.processes import free_port, running_process
 
 HERE = Path(__file__).resolve().parent
 PAGELLM = [sys.executable, "-m", "pagellm.cli"]
@@ -58,35 +56,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def server(cmd: list[str], port: int, env: dict[str, str], log: Path) -> Iterator[str]:
     base = f"http://127.0.0.1:{port}"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        try:
-            deadline = time.monotonic() + 600
-            while time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited ({proc.returncode}); see {log}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{base}/health", timeout=2, trust_env=False).status_code == 200:
-                        break
-                time.sleep(1)
-            else:
-                raise RuntimeError(f"server not healthy in 600 s; see {log}")
-            yield base
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with running_process(cmd, base, log, timeout=600, env=env, grace=60):
+        yield base
 
 
 def add_gateway_bench_args(p: argparse.ArgumentParser, output_dir: str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -12,14 +11,10 @@ from pathlib import Path
 
 import httpx
 
+from pagellm.bench.processes import free_port, stop_process
+
 MODEL_NAME = "tiny-llama"
 API_KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(
@@ -129,13 +124,7 @@ def running_fake(model: str = "fake") -> Iterator[tuple[subprocess.Popen, str]]:
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=20)
+    stop_process(proc, grace=20)
 
 
 def wait_until(condition, timeout: float = 10.0, what: str = "condition") -> None:

@@ -42,6 +42,8 @@ def _outcome(status: int, content: bytes, reader: rb.Reader | None = None, n: in
         (200, _sse(TOKEN, TOKEN), 1, rb.CUT),
         (200, _sse(TOKEN, ERROR, "[DONE]"), 1, rb.ERROR_EVENT),
         (200, _sse("{not json"), 1, rb.BAD_EVENT),
+        (200, _sse("[1]", "[DONE]"), 1, rb.BAD_EVENT),
+        (200, _sse('{"choices": [1]}', "[DONE]"), 1, rb.BAD_EVENT),
         (503, b'{"error": {"message": "busy"}}', 1, "http_503"),
     ],
 )

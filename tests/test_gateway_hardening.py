@@ -59,6 +59,19 @@ class Events(httpx.AsyncByteStream):
         self.closed = True
 
 
+class _Stalled(httpx.AsyncByteStream):
+    """An Events body read through another iterator (one that can wait midway)."""
+
+    def __init__(self, events: Events, chunks: Callable[[], Any]) -> None:
+        self.events, self.chunks = events, chunks
+
+    def __aiter__(self):
+        return self.chunks()
+
+    async def aclose(self) -> None:
+        await self.events.aclose()
+
+
 def _event(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
@@ -621,11 +634,26 @@ def test_an_unexpected_error_answers_500_in_the_openai_shape_and_releases_everyt
 def test_a_stream_whose_client_left_as_it_started_releases_at_once():
     keys = [{"name": "a", "key": KEY}]
 
+    gate = asyncio.Event()  # the replica's stream stalls after its first event until set
+    stream = Events([_event({"choices": [{"index": 0, "text": "x"}]}), b"data: [DONE]\n\n"])
+
+    async def stalled() -> Any:
+        yield stream.chunks[0]
+        await gate.wait()
+        yield stream.chunks[1]
+
+    async def stalling(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        headers = {"content-type": "text/event-stream"}
+        return httpx.Response(200, headers=headers, stream=_Stalled(stream, stalled))
+
     async def scenario() -> None:
         up = Upstream()
+        up.script[A] = stalling
         gw = gateway(up, keys=keys, backends=(A,))
         reply = await call(build_gateway_app(gw), {**PLAIN, "max_tokens": 50, "stream": True},
                            headers=BEARER, leave_on_start=True)  # fmt: skip
+        # the replica's stream never ended: only the client's leaving can have released it
+        assert not gate.is_set() and stream.closed
         assert reply.raised is None
         assert gw.replicas[0].outstanding == 0 and gw.keys.keys[0].in_flight == 0
 

@@ -304,3 +304,10 @@ def test_admission_queue_keeps_a_line_per_model():
         return order
 
     assert asyncio.run(scenario()) == ["b1", "a1", "a2"]  # first come first served within a
+
+
+def test_a_negative_charge_never_fills_a_bucket():
+    bucket = TokenBucket(100, Clock())
+    with pytest.raises(ValueError):
+        bucket.take(-1_000_000_000)
+    assert bucket.level == 100

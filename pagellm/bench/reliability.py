@@ -30,7 +30,6 @@ import platform
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from pagellm.bench import report as rep
+from pagellm.bench.processes import free_port, running_process
 from pagellm.bench.serve import latency_stats, resolve_model
 
 OK = "ok"
@@ -143,11 +143,15 @@ async def _consume(
         result.detail = result.error
 
 
-def _take_event(result: StreamResult, event: dict[str, Any]) -> None:
+def _take_event(result: StreamResult, event: Any) -> None:
+    """Read one event; one that is not an OpenAI chunk object raises ValueError (bad_event)."""
+    choices = event.get("choices") if isinstance(event, dict) else None
+    if not isinstance(event, dict) or not all(isinstance(c, dict) for c in choices or []):
+        raise ValueError(f"not a chunk object: {str(event)[:100]}")
     if "error" in event:
         err = event["error"]
         result.error = str(err.get("message", err) if isinstance(err, dict) else err)[:200]
-    for choice in event.get("choices") or []:
+    for choice in choices or []:
         if choice.get("finish_reason") is not None:
             result.finished.add(int(choice.get("index", 0)))
 
@@ -540,12 +544,6 @@ def _sigterm_problems(phase: dict[str, Any] | None) -> list[str]:
 # ----- the launched server ----------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_argv(command: str, port: int) -> list[str]:
     """The command split like a shell would, bound to 127.0.0.1:``port`` (given last, so these
     win); a leading ``pagellm`` runs as this interpreter's ``-m pagellm.cli``."""
@@ -560,34 +558,15 @@ def launched(command: str, timeout: float, log_path: str) -> Iterator[tuple[subp
     """The server command started on a free loopback port and healthy; stopped on the way out
     when it is still running (SIGTERM, then SIGKILL after 30 s)."""
     port = free_port()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(launch_argv(command, port), stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(proc, base_url, timeout, log_path)
+    with contextlib.ExitStack() as stack:
+        try:
+            proc = stack.enter_context(
+                running_process(launch_argv(command, port), base_url, log_path, timeout)
+            )
+        except RuntimeError as exc:  # it did not start: a clear exit, no traceback
+            raise SystemExit(f"the launched server: {exc}") from exc
         yield proc, base_url
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
-
-
-def _wait_healthy(proc: subprocess.Popen, base: str, timeout: float, log_path: str) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the launched server exited ({proc.returncode}); see {log_path}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base}/health", timeout=2.0, trust_env=False).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise SystemExit(f"the launched server was not healthy in {timeout:g} s; see {log_path}")
 
 
 # ----- command ----------------------------------------------------------------------------

@@ -24,12 +24,15 @@ import logging
 import os
 import time
 import warnings
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.cluster.autoscale import Autoscaler, Load
 from pagellm.cluster.config import ClusterConfig, parse_cluster_config
 
+MAX_EVENTS = 1000
+"""Events kept (a persistent fault records one per supervision round)."""
 LOOK_TIMEOUT = 5.0
 """Seconds a replica may take to answer the controller's look before it counts as down."""
 RESUME_RETRIES = 10
@@ -65,7 +68,7 @@ class ClusterController:
             r.upscale_delay, r.downscale_delay, time.monotonic,
         )  # fmt: skip
         self.slots: list[_Slot] = []
-        self.events: list[str] = []
+        self.events: deque[str] = deque(maxlen=MAX_EVENTS)
         self._names = itertools.count()
         self._scaling: asyncio.Task | None = None
         self._gateway: Any = None
@@ -122,7 +125,7 @@ class ClusterController:
             ],
             "min_replicas": self.config.min_replicas,
             "max_replicas": self.config.max_replicas,
-            "events": self.events[-30:],
+            "events": list(self.events)[-30:],
         }  # fmt: skip
 
     # ----- the gateway --------------------------------------------------------------------

@@ -51,7 +51,7 @@ from pagellm.gateway.metrics import GatewayMetrics
 from pagellm.gateway.overload import AdmissionQueue
 from pagellm.gateway.precheck import check_fits, prompt_lengths
 from pagellm.gateway.routing import Replica, Router
-from pagellm.server.errors import APIError, error_body, error_response
+from pagellm.server.errors import APIError, error_body, error_response, quoted_name
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _BREAKER_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
@@ -204,10 +204,7 @@ class Gateway:
         replicas = self._replicas_for(fleet, known)
         await asyncio.gather(*(self.check(r) for r in replicas if r.url not in known))
         for url in set(known) - {r.url for r in replicas}:
-            for family in (self.metrics.breaker, self.metrics.breaker_opens,
-                           self.metrics.outstanding):  # fmt: skip
-                with contextlib.suppress(KeyError):
-                    family.remove(url)
+            self.metrics.forget_replica(url)
         self.keys, self.fleet, self.replicas = keys, fleet, replicas
         self.queue.notify()
 
@@ -486,7 +483,9 @@ class Gateway:
 
     def _unavailable(self, model: str | None) -> JSONResponse:
         if model is not None and not any(r.serves(model) for r in self.replicas):
-            return _error(404, f"the model {model!r} does not exist", code="model_not_found")
+            return _error(
+                404, f"the model {quoted_name(model)} does not exist", code="model_not_found"
+            )
         return _error(
             503,
             "no replica can serve the request now",
@@ -568,7 +567,13 @@ class Gateway:
 
     async def _events(self, call: _Call, resp: httpx.Response) -> AsyncGenerator[bytes, None]:
         """The replica's SSE events, whole, as the client is to get them: a usage event settles
-        the key's charge, and is kept from a client that did not ask for it."""
+        the key's charge, and is kept from a client that did not ask for it. Only a key with a
+        token bucket needs that; every other stream is relayed chunk by chunk as it comes."""
+        policy = call.settle.policy if call.settle is not None else None
+        if policy is None or "tokens" not in policy.buckets:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+            return
         splitter = EventSplitter()
         async for chunk in resp.aiter_raw():
             for event in splitter.feed(chunk):

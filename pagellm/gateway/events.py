@@ -16,22 +16,26 @@ class EventSplitter:
 
     def __init__(self, limit: int = MAX_PARTIAL) -> None:
         self.limit = limit
-        self.partial = b""
+        self.partial = bytearray()
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        data, events, start = self.partial + chunk, [], 0
-        for end in _EVENT_END.finditer(data):
-            events.append(data[start : end.end()])
+        # an event end may straddle the chunks: look again only at the last 3 bytes held back,
+        # so a long unfinished event is scanned once, not once per chunk
+        search = max(0, len(self.partial) - 3)
+        self.partial += chunk
+        events, start = [], 0
+        for end in _EVENT_END.finditer(self.partial, search):
+            events.append(bytes(self.partial[start : end.end()]))
             start = end.end()
-        self.partial = data[start:]
+        del self.partial[:start]
         if len(self.partial) > self.limit:
-            events.append(self.partial)
-            self.partial = b""
+            events.append(self.rest())
         return events
 
     def rest(self) -> bytes:
         """What is left unfinished when the stream ends."""
-        rest, self.partial = self.partial, b""
+        rest = bytes(self.partial)
+        self.partial.clear()
         return rest
 
 

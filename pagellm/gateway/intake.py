@@ -12,10 +12,10 @@ from typing import Any
 
 from starlette.requests import Request
 
+from pagellm.engine.sampling_params import MAX_N
 from pagellm.gateway.limits import KeyPolicy
 from pagellm.server.errors import APIError
 
-MAX_N = 128
 PROMPT_MARGIN = 64
 """Tokens a chat template may add beyond the prompt's own bytes (role headers, BOS, a default
 system line): an uncounted prompt has at most its UTF-8 bytes plus this many tokens."""

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagellm.server.errors import quoted_name
+
 
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
@@ -180,7 +182,9 @@ class KeyRing:
         """Check model, concurrency and both buckets; on success count the request in flight
         and charge ``tokens`` (the caller settles the real count with ``settle``)."""
         if policy.models is not None and model not in policy.models:
-            return Denied(404, f"the model {model!r} does not exist", code="model_not_found")
+            return Denied(
+                404, f"the model {quoted_name(model)} does not exist", code="model_not_found"
+            )
         if policy.max_concurrent is not None and policy.in_flight >= policy.max_concurrent:
             return Denied(429, "too many concurrent requests for this key", 1.0)
         requests = policy.buckets.get("requests")

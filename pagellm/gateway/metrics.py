@@ -4,6 +4,8 @@ replicas serve."""
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
@@ -75,3 +77,11 @@ class GatewayMetrics:
             ["loop"],
             registry=self.registry,
         )
+
+    def forget_replica(self, url: str) -> None:
+        """Drop a replica's series when it leaves the fleet (a restarted cluster replica comes
+        back at a new address: its old series must not pile up). ``requests`` keeps its
+        history of what each address served: it grows per replica restart, not per request."""
+        for family in (self.breaker, self.breaker_opens, self.outstanding, self.upstream_latency):
+            with contextlib.suppress(KeyError):
+                family.remove(url)

@@ -33,7 +33,7 @@ from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError, Request
 from pagellm.engine.errors import ContextLengthExceeded, RequestRejected
 from pagellm.engine.outputs import RequestOutput
 from pagellm.engine.sampling_params import ParamError, SamplingParams
-from pagellm.server.errors import APIError, error_body, error_response
+from pagellm.server.errors import APIError, error_body, error_response, quoted_name
 from pagellm.server.metrics import RequestLatencies, make_registry
 from pagellm.server.protocol import (
     ChatCompletionRequest,
@@ -313,9 +313,11 @@ class _Context:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model_name:
-            shown = model if len(model) <= 100 else model[:100] + "..."
             raise APIError(
-                404, f"the model {shown!r} does not exist", param="model", code="model_not_found"
+                404,
+                f"the model {quoted_name(model)} does not exist",
+                param="model",
+                code="model_not_found",
             )
 
     def _check_seqs(self, num_prompts: int, n: int) -> None:

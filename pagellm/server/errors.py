@@ -50,3 +50,10 @@ def error_response(err: APIError) -> JSONResponse:
         status_code=err.status,
         headers=err.headers,
     )
+
+
+def quoted_name(name: object, most: int = 100) -> str:
+    """A client-given name (a model, say) as an error message shows it: quoted, and cut to
+    ``most`` characters so an answer never echoes a whole body back."""
+    text = repr(name)
+    return text if len(text) <= most else text[:most] + "..."
