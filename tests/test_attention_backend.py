@@ -7,7 +7,7 @@ import torch
 
 from pagellm.attention.backend import SeqLayout
 from pagellm.attention.torch_backend import TorchAttentionBackend
-from pagellm.kernels.paged_attention import load_paged_decode_kernel
+from pagellm.kernels.paged_attention import load_paged_decode_kernel, load_paged_prefill_kernel
 
 HQ, HKV, BS, NUM_BLOCKS = 6, 2, 4, 512
 
@@ -24,16 +24,20 @@ def _naive(q, k, v):
 
 
 @pytest.mark.parametrize("D", [16, 64, 128])  # 64 and 128 take the kernel's AVX-512 path
-@pytest.mark.parametrize("path", ["torch", "cpp-kernel", "fused-sdpa"])
+@pytest.mark.parametrize("path", ["torch", "cpp-kernel", "cpp-prefill", "fused-sdpa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_batch_matches_naive_attention(dtype, path, D):
     gen = torch.Generator().manual_seed(0)
-    use_kernel = path == "cpp-kernel"
+    use_kernel = path in ("cpp-kernel", "cpp-prefill")
     kernel = load_paged_decode_kernel() if use_kernel else None
+    prefill = load_paged_prefill_kernel() if path == "cpp-prefill" else None
     if use_kernel:
         assert kernel is not None, "the C++ kernel must build on this machine (g++ is required)"
-    backend = TorchAttentionBackend(HQ, HKV, D, BS, dtype, decode_kernel=kernel)
+    backend = TorchAttentionBackend(
+        HQ, HKV, D, BS, dtype, decode_kernel=kernel, prefill_kernel=prefill
+    )
     assert (backend.decode_kernel is not None) == use_kernel
+    assert (backend.prefill_kernel is not None) == (path == "cpp-prefill")
     backend.fused_sdpa = path == "fused-sdpa"  # the path a GPU takes in every dtype
     (cache,) = backend.allocate_cache(1, NUM_BLOCKS)
     # (context already cached, new tokens): two decodes, a prefill with a prefix, a fresh prefill
@@ -53,7 +57,8 @@ def test_mixed_batch_matches_naive_attention(dtype, path, D):
         full_v.append(v)
     q_parts = [torch.randn(new, HQ, D, generator=gen) for _, new in shapes]
     meta = backend.build_metadata(seqs, NUM_BLOCKS)
-    assert meta.num_rows == (4 + 7 + 10 if use_kernel else 4)
+    assert meta.num_rows == (4 + 7 + 10 if path == "cpp-kernel" else 4)
+    assert (meta.kernel_prefills is not None) == (path == "cpp-prefill")
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes, strict=True)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes, strict=True)])
     out = backend.forward(

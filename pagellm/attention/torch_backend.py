@@ -1,5 +1,5 @@
-"""Attention over the paged KV cache in plain PyTorch: the CPU backend (with a C++ kernel for
-row-wise tokens), the reference for GPU backends, and what runs on a CUDA device until a
+"""Attention over the paged KV cache: the CPU backend (C++ kernels for decode rows and for
+prefill chunks), the PyTorch reference for GPU backends, and what runs on a CUDA device until a
 Triton backend does (there, every path is torch's fused scaled-dot-product attention).
 
 Cache layout per layer: K and V each ``[num_kv_heads, num_blocks, block_size, head_dim]``, so one
@@ -11,9 +11,11 @@ one query row each with its own context length: decode tokens always, and with t
 also prefill chunks whose attention work (tokens x context) is small, each of their tokens being
 a row that sees the positions up to its own. The kernel reads K/V in place through the block
 table; without it, decode rows gather their blocks into a buffer padded to the longest context.
-The remaining prefill chunks are attended one sequence at a time with GEMMs, causal within the
-chunk and over the cached prefix. Metadata is built on the host and moved to the device once per
-step.
+The remaining prefill chunks go, all of them in one call, to the C++ prefill kernel: tiled over
+keys with an online softmax, reading the prefix through the block table (nothing is gathered and
+no score matrix is formed). Without that kernel they are attended one sequence at a time with
+GEMMs over a gathered prefix, causal within the chunk. Metadata is built on the host and moved
+to the device once per step.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.attention.backend import SeqLayout
-from pagellm.kernels.paged_attention import PagedDecodeKernel
+from pagellm.kernels.paged_attention import PagedDecodeKernel, PagedPrefillKernel
 
 
 @dataclass(slots=True)
@@ -37,11 +39,27 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class KernelPrefills:
+    """Every prefill chunk of the step, for one call of the prefill kernel."""
+
+    token_start: int
+    """The chunks' tokens are the step's tokens from here on."""
+    block_tables: torch.Tensor
+    """int32 [chunks, max_blocks]."""
+    query_starts: torch.Tensor
+    """int32 [chunks + 1]: each chunk's first token, counted from ``token_start``."""
+    start_pos: torch.Tensor
+    """int32 [chunks]: tokens cached before each chunk."""
+
+
+@dataclass(slots=True)
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
     num_rows: int
     """The first ``num_rows`` tokens are attended row-wise (see the module docstring)."""
     prefills: list[PrefillChunk]
+    kernel_prefills: KernelPrefills | None = None
+    """Set instead of ``prefills`` when the prefill kernel attends the chunks."""
     row_block_tables: torch.Tensor | None = None
     """int32 [rows, max_blocks] for the kernel: each row's sequence's block table."""
     row_context_lens: torch.Tensor | None = None
@@ -63,11 +81,15 @@ class TorchAttentionBackend:
         dtype: torch.dtype,
         decode_kernel: PagedDecodeKernel | None = None,
         device: torch.device | str = "cpu",
+        prefill_kernel: PagedPrefillKernel | None = None,
     ) -> None:
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
         self.decode_kernel = (
             decode_kernel if on_cpu and decode_kernel and decode_kernel.supports(dtype) else None
+        )
+        self.prefill_kernel = (
+            prefill_kernel if on_cpu and prefill_kernel and prefill_kernel.supports(dtype) else None
         )
         self.fused_sdpa = not on_cpu
         """On a GPU, reduced precision also goes through SDPA (flash / memory-efficient)."""
@@ -86,7 +108,7 @@ class TorchAttentionBackend:
         """Whether a sequence's chunk goes to the row-wise path (the runner puts those first)."""
         if num_tokens == 1:
             return True
-        if self.decode_kernel is None:
+        if self.decode_kernel is None or self.prefill_kernel is not None:
             return False
         return num_tokens * (start_pos + num_tokens) <= self.ROW_WISE_WORK_LIMIT
 
@@ -128,8 +150,12 @@ class TorchAttentionBackend:
         meta = TorchAttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             num_rows=num_rows,
-            prefills=self._prefill_chunks(rest, num_rows, num_blocks),
+            prefills=[]
+            if self.prefill_kernel
+            else self._prefill_chunks(rest, num_rows, num_blocks),
         )
+        if self.prefill_kernel and rest:
+            meta.kernel_prefills = _kernel_prefills(rest, num_rows)
         if rows:
             self._row_metadata(meta, rows, num_blocks)
         if self.device.type != "cpu":
@@ -205,6 +231,19 @@ class TorchAttentionBackend:
         for chunk in meta.prefills:
             sl = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[sl] = self._prefill(k_cache, v_cache, q[sl], k[sl], v[sl], chunk)
+        batch = meta.kernel_prefills
+        if batch is not None:
+            start = batch.token_start
+            self.prefill_kernel(
+                q[start:].contiguous(),
+                k_cache,
+                v_cache,
+                batch.block_tables,
+                batch.query_starts,
+                batch.start_pos,
+                out[start:],
+                self.scale,
+            )
         return out.view(q.shape[0], -1)
 
     def _write(self, k_cache, v_cache, k, v, slot_mapping) -> None:
@@ -285,6 +324,21 @@ class TorchAttentionBackend:
         out = self._grouped_attention(qg, keys, values, mask)  # [Hkv, G * n, D]
         out = out.view(self.num_kv_heads, self.group, n, self.head_dim)
         return out.permute(2, 0, 1, 3).reshape(n, self.num_heads, self.head_dim)
+
+
+def _kernel_prefills(seqs: list[SeqLayout], token_start: int) -> KernelPrefills:
+    max_blocks = max(len(s.block_ids) for s in seqs)
+    tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+    starts = [0]
+    for i, seq in enumerate(seqs):
+        tables[i, : len(seq.block_ids)] = torch.tensor(seq.block_ids, dtype=torch.int32)
+        starts.append(starts[-1] + seq.num_tokens)
+    return KernelPrefills(
+        token_start,
+        tables,
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor([s.start_pos for s in seqs], dtype=torch.int32),
+    )
 
 
 def _causal_mask(start: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -34,8 +34,10 @@ _FLAGS = [
 ]
 
 
-def build_library(source_name: str) -> ctypes.CDLL | None:
-    """Compile ``source_name`` (next to this file) into the cache; None if that fails."""
+def build_library(source_name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """Compile ``source_name`` (next to this file) into the cache; None if that fails.
+
+    ``extra_flags`` (e.g. ``-DPAGELLM_VEC_WIDTH=16``) build a variant with its own cache entry."""
     if os.environ.get("PAGELLM_DISABLE_CPU_KERNELS") == "1":
         return None
     source = Path(__file__).with_name(source_name)
@@ -44,14 +46,15 @@ def build_library(source_name: str) -> ctypes.CDLL | None:
         log.warning("no C++ compiler found: using the PyTorch attention path")
         return None
     # -march=native: a library built on one CPU may not run on another, so the CPU is in the key
-    key = source.read_bytes() + " ".join(_FLAGS).encode() + _cpu_flags().encode()
+    flags = [*_FLAGS, *extra_flags]
+    key = source.read_bytes() + " ".join(flags).encode() + _cpu_flags().encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{source.stem}-{digest}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            cmd = [compiler, *_FLAGS, str(source), "-o", str(built)]
+            cmd = [compiler, *flags, str(source), "-o", str(built)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 log.warning("building %s failed: %s", source.name, proc.stderr[-2000:])

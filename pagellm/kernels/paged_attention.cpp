@@ -8,7 +8,7 @@
 #include <thread>
 #include <vector>
 #include <algorithm>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -225,6 +225,156 @@ void (*pick_avx512(int head_dim, int group))(const Args&, int, int, std::vector<
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2 + FMA (Zen 2/3 and older Xeons): 8 lanes, 16 registers. Keys are walked in slices that
+// stay in L1 while each query head of the group takes its turn over them, so that one head's
+// query (QK) or accumulator (PV) stays in registers: W = head_dim / 8 vectors.
+constexpr int SLICE = 64;  // keys per slice: 16 KiB of fp32 K (or V) rows at head_dim 64
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// [sum(a), sum(b), sum(c), sum(d)]
+inline __m128 hsum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// e^x for x <= 0, as exp512 above.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.6931471805599453f));
+  __m256 p = _mm256_set1_ps(1.f / 5040.f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 720.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                          _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+void softmax_avx2(float* s, int n) {
+  __m256 vmax = _mm256_set1_ps(-3.0e38f);
+  int j = 0;
+  for (; j + 8 <= n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  float mx = lanes[0];
+  for (int i = 1; i < 8; ++i) mx = std::max(mx, lanes[i]);
+  for (; j < n; ++j) mx = std::max(mx, s[j]);
+  const __m256 vmx = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  float sum = 0.f;
+  for (j = 0; j + 8 <= n; j += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
+    _mm256_storeu_ps(s + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  for (; j < n; ++j) {
+    s[j] = std::exp(s[j] - mx);
+    sum += s[j];
+  }
+  _mm256_store_ps(lanes, vsum);
+  for (int i = 0; i < 8; ++i) sum += lanes[i];
+  const __m256 inv = _mm256_set1_ps(1.f / sum);
+  const float inv_s = 1.f / sum;
+  for (j = 0; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inv));
+  for (; j < n; ++j) s[j] *= inv_s;
+}
+
+// Rows of the keys [j0, j0 + n) of one kv head (n <= SLICE), walking the block table.
+template <typename T>
+void slice_rows(const Args& a, const T* cache, const int32_t* table, int64_t head_base, int j0,
+                int n, const T** rows) {
+  int blk = j0 / a.block_size, off = j0 % a.block_size;
+  for (int r = 0; r < n; ++r, ++off) {
+    if (off == a.block_size) {
+      off = 0;
+      ++blk;
+    }
+    rows[r] = cache + (head_base + static_cast<int64_t>(table[blk]) * a.block_size + off) *
+                          a.head_dim;
+  }
+}
+
+template <typename T, int W>
+void attend_pair_avx2(const Args& a, int b, int kvh, std::vector<float>& scores,
+                      std::vector<float>& acc_buf) {
+  const int group = a.num_heads / a.num_kv_heads;
+  const int d = a.head_dim;
+  const int ctx = a.context_lens[b];
+  const T* q = static_cast<const T*>(a.q) + (static_cast<int64_t>(b) * a.num_heads + kvh * group) * d;
+  const int32_t* table = a.block_tables + static_cast<int64_t>(b) * a.max_blocks;
+  const int64_t head_base = static_cast<int64_t>(kvh) * a.num_blocks * a.block_size;
+  const T* kc = static_cast<const T*>(a.k_cache);
+  const T* vc = static_cast<const T*>(a.v_cache);
+  scores.resize(static_cast<size_t>(group) * ctx);
+  acc_buf.assign(static_cast<size_t>(group) * d, 0.f);
+  const T* rows[SLICE];
+  const __m256 scale = _mm256_set1_ps(a.scale);
+  for (int j0 = 0; j0 < ctx; j0 += SLICE) {
+    const int n = std::min(SLICE, ctx - j0);
+    slice_rows(a, kc, table, head_base, j0, n, rows);
+    for (int g = 0; g < group; ++g) {
+      __m256 qv[W];
+      for (int x = 0; x < W; ++x) qv[x] = _mm256_mul_ps(load8(q + g * d + x * 8), scale);
+      float* sg = scores.data() + static_cast<size_t>(g) * ctx + j0;
+      int r = 0;
+      for (; r + 4 <= n; r += 4) {
+        __m256 s4[4];
+        for (int i = 0; i < 4; ++i) {
+          s4[i] = _mm256_mul_ps(qv[0], load8(rows[r + i]));
+          for (int x = 1; x < W; ++x) s4[i] = _mm256_fmadd_ps(qv[x], load8(rows[r + i] + x * 8), s4[i]);
+        }
+        _mm_storeu_ps(sg + r, hsum4_avx2(s4[0], s4[1], s4[2], s4[3]));
+      }
+      for (; r < n; ++r) {
+        __m256 s = _mm256_mul_ps(qv[0], load8(rows[r]));
+        for (int x = 1; x < W; ++x) s = _mm256_fmadd_ps(qv[x], load8(rows[r] + x * 8), s);
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        const __m128 h2 = _mm_hadd_ps(h, h);
+        sg[r] = _mm_cvtss_f32(_mm_hadd_ps(h2, h2));
+      }
+    }
+  }
+  for (int g = 0; g < group; ++g) softmax_avx2(scores.data() + static_cast<size_t>(g) * ctx, ctx);
+  for (int j0 = 0; j0 < ctx; j0 += SLICE) {
+    const int n = std::min(SLICE, ctx - j0);
+    slice_rows(a, vc, table, head_base, j0, n, rows);
+    for (int g = 0; g < group; ++g) {
+      float* ag = acc_buf.data() + static_cast<size_t>(g) * d;
+      __m256 acc[W];
+      for (int x = 0; x < W; ++x) acc[x] = _mm256_loadu_ps(ag + x * 8);
+      const float* pg = scores.data() + static_cast<size_t>(g) * ctx + j0;
+      for (int r = 0; r < n; ++r) {
+        const __m256 p = _mm256_set1_ps(pg[r]);
+        for (int x = 0; x < W; ++x) acc[x] = _mm256_fmadd_ps(p, load8(rows[r] + x * 8), acc[x]);
+      }
+      for (int x = 0; x < W; ++x) _mm256_storeu_ps(ag + x * 8, acc[x]);
+    }
+  }
+  T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.num_heads + kvh * group) * d;
+  for (int i = 0; i < group * d; ++i) store(out + i, acc_buf[i]);
+}
+
+// The vectorized pair for this head size, or nullptr (then the portable loop runs).
+template <typename T>
+void (*pick_avx2(int head_dim))(const Args&, int, int, std::vector<float>&, std::vector<float>&) {
+  if (head_dim == 64) return attend_pair_avx2<T, 8>;
+  if (head_dim == 128) return attend_pair_avx2<T, 16>;
+  return nullptr;
+}
+#endif
+
 // Softmax in place over n scores, for CPUs without AVX-512 (the compiler vectorizes what it can).
 void softmax_portable(float* s, int n) {
   float mx = -3.0e38f;
@@ -295,6 +445,8 @@ void run(const Args& a, int num_threads) {
   PairFn vectorized = nullptr;
 #if defined(__AVX512F__)
   vectorized = pick_avx512<T>(a.head_dim, a.num_heads / a.num_kv_heads);
+#elif defined(__AVX2__) && defined(__FMA__)
+  vectorized = pick_avx2<T>(a.head_dim);
 #endif
   auto worker = [&a, pairs, &num_threads, vectorized](int t) {
     std::vector<float> scores, acc, qf;

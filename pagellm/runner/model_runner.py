@@ -24,7 +24,7 @@ from pagellm.attention.backend import SeqLayout, cache_bytes_per_block
 from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.config import GIB, CacheConfig, StepLimits
 from pagellm.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
-from pagellm.kernels.paged_attention import load_paged_decode_kernel
+from pagellm.kernels.paged_attention import load_paged_decode_kernel, load_paged_prefill_kernel
 from pagellm.models.arch import ModelArch
 from pagellm.parallel.comm import Collectives
 from pagellm.runner.device import gpu_kv_budget
@@ -118,6 +118,7 @@ class ModelRunner:
             dtype,
             decode_kernel=load_paged_decode_kernel() if device.type == "cpu" else None,
             device=device,
+            prefill_kernel=load_paged_prefill_kernel() if device.type == "cpu" else None,
         )
         self.model = load_model(files, dtype, self.backend, comm, device)
         layers = layout.layers(arch.num_layers).count
