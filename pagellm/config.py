@@ -65,6 +65,18 @@ class SchedulerConfig:
     """Token budget of one step (prefill chunks + decode tokens)."""
     enable_chunked_prefill: bool = True
     """Split long prompts into chunks that share steps with decodes."""
+    long_prefill_token_threshold: int | None = None
+    """A prompt longer than this many tokens is long (None: 4% of max_model_len, as vLLM
+    defaults it; 0: no prompt is long). In a step that also decodes other requests, a long
+    prompt's chunk is cut to --long-prefill-decode-budget; alone, it takes the whole budget."""
+    max_num_partial_prefills: int = 1
+    """Most requests whose prefill goes on past the step (partial prefills) in one step."""
+    max_long_partial_prefills: int = 1
+    """Most long prompts among those partial prefills."""
+    long_prefill_decode_budget: int = 32
+    """A long prompt's work per step while others decode, in tokens at the start of a
+    sequence: a chunk deeper in the prompt gets fewer tokens, as its attention reads more
+    context (the streams decoding then keep their inter-token latency; 0: no cut)."""
     scheduling_policy: str = "fcfs"
     """fcfs (arrival order), priority (a request's priority, then arrival; more important
     arrivals may preempt), or fair (per-tenant virtual token counting)."""

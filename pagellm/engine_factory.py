@@ -37,5 +37,12 @@ def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
         executor = ModelRunner(
             files, dtype, config.cache, swap=swap, device=device, limits=config.step_limits(max_len)
         )
-    engine = LLMEngine(config, executor, tokenizer, max_len, arch.vocab_size)
+    engine = LLMEngine(
+        config,
+        executor,
+        tokenizer,
+        max_len,
+        arch.vocab_size,
+        attention_crossover=arch.attention_crossover(),
+    )
     return engine, tokenizer

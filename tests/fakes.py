@@ -59,6 +59,8 @@ def make_engine(
     protect_after: int = 2,
     preemption_mode: str = "recompute",
     num_host_blocks: int = 0,
+    attention_crossover: float | None = None,
+    **scheduler_extra: object,
 ) -> tuple[LLMEngine, FakeRunner]:
     config = EngineConfig(
         ModelConfig(),
@@ -70,10 +72,19 @@ def make_engine(
             scheduling_policy=policy,
             preemption_protect_after=protect_after,
             preemption_mode=preemption_mode,
+            **scheduler_extra,
         ),
     )
     runner = FakeRunner(num_blocks, num_host_blocks=num_host_blocks)
-    engine = LLMEngine(config, runner, FakeTokenizer(), max_model_len, 1000, clock=FakeClock())
+    engine = LLMEngine(
+        config,
+        runner,
+        FakeTokenizer(),
+        max_model_len,
+        1000,
+        clock=FakeClock(),
+        attention_crossover=attention_crossover,
+    )
     return engine, runner
 
 

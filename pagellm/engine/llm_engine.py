@@ -81,6 +81,7 @@ class LLMEngine:
         max_model_len: int,
         vocab_size: int,
         clock: Callable[[], float] = time.monotonic,
+        attention_crossover: float | None = None,
     ) -> None:
         self.config = config
         self.executor = executor
@@ -101,7 +102,9 @@ class LLMEngine:
             config.cache.enable_prefix_caching,
             getattr(executor, "num_host_blocks", 0) if swap else 0,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, clock)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_manager, clock, max_model_len, attention_crossover
+        )
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, _Group] = {}
         self._rng = random.Random(config.model.seed)

@@ -3,7 +3,8 @@
 There are no prefill/decode phases. Every request has ``num_computed_tokens`` catching up to its
 tokens under one token budget per step: running requests first, then waiting ones while the
 budget, ``max_num_seqs`` and free blocks allow, both in the order of the scheduling policy
-(``engine/policy.py``: fcfs, priority or fair). Long prompts are cut into chunks. When blocks run
+(``engine/policy.py``: fcfs, priority or fair). Long prompts are cut into chunks, and while
+others decode a long prompt gets small ones (``engine/chunking.py``). When blocks run
 out, the policy's victim (the least important running request, sparing ones preempted
 repeatedly) is preempted by recompute: it frees its blocks and returns to the waiting queue, where
 its rank puts it ahead of everything that arrived after it. Under the priority policy a more
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pagellm.config import SchedulerConfig
+from pagellm.engine.chunking import ChunkPolicy, StepChunks
 from pagellm.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagellm.engine.outputs import EngineStats, RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagellm.engine.policy import make_policy
@@ -27,8 +29,11 @@ class Scheduler:
         config: SchedulerConfig,
         kv_manager: KVCacheManager,
         clock: Callable[[], float],
+        max_model_len: int = 2048,
+        attention_crossover: float | None = None,
     ) -> None:
         self.config = config
+        self.chunking = ChunkPolicy.from_config(config, max_model_len, attention_crossover)
         self.kv = kv_manager
         self.clock = clock
         self.requests: dict[str, Request] = {}
@@ -113,11 +118,13 @@ class Scheduler:
         self.waiting.sort(key=self.policy.rank)
         self.running.sort(key=self.policy.rank)
         for_arrivals = self._preempt_for_arrivals(budget)
-        budget = self._schedule_running(budget, scheduled, preempted)
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        chunks = StepChunks(self.chunking, decoding)
+        budget = self._schedule_running(budget, scheduled, preempted, chunks)
         if not preempted:  # blocks ran short for running requests: admit nobody new
             budget = self._schedule_swapped(budget, scheduled)
             if not self.swapped:  # swapped requests resume before new ones are admitted
-                self._schedule_waiting(budget, scheduled)
+                self._schedule_waiting(budget, scheduled, chunks)
         preempted = for_arrivals + preempted
         finished, self._finished_ids = self._finished_ids, []
         self.stats.num_steps += 1
@@ -126,12 +133,20 @@ class Scheduler:
         return SchedulerOutput(scheduled, finished, preempted, swap_out, swap_in)
 
     def _schedule_running(
-        self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]
+        self,
+        budget: int,
+        scheduled: list[ScheduledRequest],
+        preempted: list[str],
+        chunks: StepChunks,
     ) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            remaining = req.num_tokens - req.num_computed_tokens
+            num_new = chunks.size(req, req.num_computed_tokens, remaining, min(remaining, budget))
+            if num_new is None:  # a partial-prefill limit: it goes on in a later step
+                i += 1
+                continue
             if not self._make_room(i, num_new, preempted):
                 continue  # req itself was preempted and left ``running``
             scheduled.append(self._scheduled(req, num_new))
@@ -206,19 +221,21 @@ class Scheduler:
         first_chunk = min(req.num_tokens - req.num_computed_tokens, budget)
         return cdiv(first_chunk, self.kv.block_size) <= self.kv.pool.num_free
 
-    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+    def _schedule_waiting(
+        self, budget: int, scheduled: list[ScheduledRequest], chunks: StepChunks
+    ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if not self._reuse_parent_prompt(req):
                 break
             cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
             num_cached = len(cached) * self.kv.block_size
-            num_new = req.num_tokens - req.num_computed_tokens - num_cached
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                num_new = budget
-            if not self.kv.allocate_slots(req, num_new, cached):
+            remaining = req.num_tokens - req.num_computed_tokens - num_cached
+            if remaining > budget and not self.config.enable_chunked_prefill:
+                break
+            start = req.num_computed_tokens + num_cached
+            num_new = chunks.size(req, start, remaining, min(remaining, budget))
+            if num_new is None or not self.kv.allocate_slots(req, num_new, cached):
                 break
             if self.kv.enable_caching and req.num_computed_tokens == 0:
                 self.stats.prefix_cache_queries += req.num_tokens

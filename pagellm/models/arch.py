@@ -26,6 +26,13 @@ class ModelArch:
     bos_token_id: int | None
     eos_token_id: int | None
 
+    def attention_crossover(self) -> float:
+        """The context length at which one token's attention (QK and PV over every head) costs
+        as many FLOPs as its linear layers: the scheduler's exchange rate for prefill chunks."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        linear = self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
+        return linear / (2 * q)
+
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
         archs = cfg.get("architectures") or []

@@ -1,0 +1,91 @@
+"""How much of each prompt a step computes: the long-prompt rules on top of the token budget.
+
+vLLM's knobs with vLLM's names: a prompt longer than ``long_prefill_token_threshold`` is long; at
+most ``max_num_partial_prefills`` requests (``max_long_partial_prefills`` of them long) may end a
+step with their prefill unfinished. pagellm adds one rule for the streams already decoding: in a
+step that also decodes other requests, a long prompt's chunk is cut to what
+``long_prefill_decode_budget`` tokens cost at the start of a sequence, so that the step (and the
+decoders' inter-token latency) stays about as long as a decode step. Deeper in a prompt each
+token's attention reads more context, so the chunk shrinks as it advances: a token at position
+``p`` costs ``1 + p / crossover`` tokens at position 0, ``crossover`` being the context at which
+one token's attention costs as much as its linear layers (from the model's shape). Alone, a long
+prompt takes the whole token budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagellm.config import SchedulerConfig
+from pagellm.engine.request import Request
+
+DEFAULT_LONG_FRACTION = 0.04
+"""vLLM's default long-prompt threshold: 4% of max_model_len."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPolicy:
+    long_threshold: int
+    """Prompts longer than this are long (0: none is)."""
+    max_partial: int
+    max_long_partial: int
+    decode_budget: int
+    """Cost of a long prompt's chunk per step while others decode (0: no cut)."""
+    crossover: float
+    chunked: bool
+
+    @classmethod
+    def from_config(
+        cls, config: SchedulerConfig, max_model_len: int, crossover: float | None
+    ) -> ChunkPolicy:
+        threshold = config.long_prefill_token_threshold
+        if threshold is None:
+            threshold = max(1, int(DEFAULT_LONG_FRACTION * max_model_len))
+        for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
+            if getattr(config, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if threshold < 0 or config.long_prefill_decode_budget < 0:
+            raise ValueError("long_prefill_token_threshold and its budget must be >= 0")
+        return cls(
+            long_threshold=threshold,
+            max_partial=config.max_num_partial_prefills,
+            max_long_partial=min(config.max_long_partial_prefills, config.max_num_partial_prefills),
+            decode_budget=config.long_prefill_decode_budget,
+            crossover=crossover or float("inf"),
+            chunked=config.enable_chunked_prefill,
+        )
+
+    def is_long(self, req: Request) -> bool:
+        return 0 < self.long_threshold < req.num_prompt_tokens
+
+    def chunk_while_decoding(self, start_pos: int) -> int:
+        """Tokens from ``start_pos`` on whose cost is about ``decode_budget`` (at least 1)."""
+        return max(1, int(self.decode_budget / (1.0 + start_pos / self.crossover)))
+
+
+class StepChunks:
+    """The partial prefills of one step being scheduled, and the chunk each request gets."""
+
+    def __init__(self, policy: ChunkPolicy, decoding: bool) -> None:
+        self.policy = policy
+        self.decoding = decoding
+        """Whether other requests decode in this step."""
+        self.partial = 0
+        self.long_partial = 0
+
+    def size(self, req: Request, start_pos: int, remaining: int, num_new: int) -> int | None:
+        """``req``'s chunk (``num_new`` already fits the budget), or None: not this step."""
+        if remaining <= 1 or not self.policy.chunked:
+            return num_new
+        long = self.policy.is_long(req)
+        if long and self.decoding and self.policy.decode_budget:
+            num_new = min(num_new, self.policy.chunk_while_decoding(start_pos))
+        if num_new >= remaining:
+            return num_new
+        if self.partial >= self.policy.max_partial or (
+            long and self.long_partial >= self.policy.max_long_partial
+        ):
+            return None
+        self.partial += 1
+        self.long_partial += long
+        return num_new

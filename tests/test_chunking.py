@@ -1,0 +1,146 @@
+"""Long prompts next to decoding streams: vLLM's long-prefill threshold and partial-prefill
+limits, and pagellm's cut of a long prompt's chunk while others decode (fake runner)."""
+
+from __future__ import annotations
+
+import pytest
+from fakes import make_engine, run_to_completion
+
+from pagellm.config import SchedulerConfig
+from pagellm.engine.chunking import ChunkPolicy
+from pagellm.engine.sampling_params import SamplingParams
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _chunks(runner, request_id: str) -> list[tuple[int, int]]:
+    return [
+        (x.start_pos, x.num_tokens)
+        for step in runner.steps
+        for x in step.scheduled
+        if x.request_id == request_id
+    ]
+
+
+def _expected(last: int, n: int) -> list[int]:
+    return [(last + 1 + i) % 1000 for i in range(n)]
+
+
+def test_a_long_prompt_alone_takes_the_whole_budget():
+    engine, runner = make_engine(
+        num_blocks=256, max_num_batched_tokens=64, max_model_len=1024,
+        long_prefill_token_threshold=16, long_prefill_decode_budget=8,
+    )  # fmt: skip
+    engine.add_request("long", list(range(100, 300)), _greedy(2))
+    run_to_completion(engine)
+    assert [n for _, n in _chunks(runner, "long")][:4] == [64, 64, 64, 8]
+
+
+def test_streams_decoding_cut_a_long_prompt_into_small_chunks():
+    engine, runner = make_engine(
+        num_blocks=256, max_num_batched_tokens=64, max_model_len=1024,
+        long_prefill_token_threshold=16, long_prefill_decode_budget=8,
+    )  # fmt: skip
+    for i in range(3):
+        engine.add_request(f"s{i}", [10 + i, 11 + i], _greedy(60))
+    engine.step()  # the streams' prompts; from now on they decode
+    engine.add_request("long", list(range(100, 200)), _greedy(3))
+    done = run_to_completion(engine)
+    chunks = _chunks(runner, "long")
+    assert all(n <= 8 for _, n in chunks[:-1])
+    assert chunks[0] == (0, 8) and chunks[1] == (8, 8)  # continues where it ended
+    assert sum(n for _, n in chunks) == 100 + 2  # the prompt, then two decode steps
+    assert done["long"].outputs[0].token_ids == _expected(199, 3)
+    for i in range(3):  # every stream got a token in every step
+        assert len(_chunks(runner, f"s{i}")) == 60
+
+
+def test_chunks_shrink_as_the_prompt_deepens():
+    engine, runner = make_engine(
+        num_blocks=512, max_num_batched_tokens=256, max_model_len=2048,
+        long_prefill_token_threshold=16, long_prefill_decode_budget=32, attention_crossover=64,
+    )  # fmt: skip
+    engine.add_request("s", [5, 6], _greedy(400))
+    engine.step()
+    engine.add_request("long", list(range(100, 400)), _greedy(1))
+    run_to_completion(engine)
+    chunks = _chunks(runner, "long")
+    assert chunks[0] == (0, 32)  # cost 32 at position 0
+    assert chunks[1] == (32, 21)  # 32 / (1 + 32 / 64)
+    sizes = [n for _, n in chunks]
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] >= 1
+    assert sum(sizes) == 300
+
+
+def test_short_prompts_are_not_cut_while_others_decode():
+    engine, runner = make_engine(
+        num_blocks=256, max_num_batched_tokens=64, max_model_len=1024,
+        long_prefill_token_threshold=40, long_prefill_decode_budget=4,
+    )  # fmt: skip
+    engine.add_request("s", [5, 6], _greedy(20))
+    engine.step()
+    engine.add_request("short", list(range(100, 140)), _greedy(2))
+    run_to_completion(engine)
+    assert _chunks(runner, "short")[0] == (0, 40)
+
+
+def test_one_partial_prefill_at_a_time_by_default():
+    engine, runner = make_engine(
+        num_blocks=256, max_num_batched_tokens=64, max_model_len=1024,
+        long_prefill_token_threshold=16,
+    )  # fmt: skip
+    engine.add_request("a", list(range(100, 200)), _greedy(1))
+    engine.add_request("b", list(range(300, 400)), _greedy(1))
+    done = run_to_completion(engine)
+    first = runner.steps[0]
+    assert [(x.request_id, x.num_tokens) for x in first.scheduled] == [("a", 64)]
+    b_start = next(
+        i for i, s in enumerate(runner.steps) if "b" in {x.request_id for x in s.scheduled}
+    )
+    assert b_start == 1  # b starts in the step where a's prefill completes
+    assert done["b"].outputs[0].token_ids == _expected(399, 1)
+
+
+@pytest.mark.parametrize("partials", [1, 2])
+def test_partial_prefills_per_step_follow_the_limit(partials):
+    engine, runner = make_engine(
+        num_blocks=256, max_num_batched_tokens=64, max_model_len=1024,
+        long_prefill_token_threshold=16, long_prefill_decode_budget=8,
+        max_num_partial_prefills=partials, max_long_partial_prefills=partials,
+    )  # fmt: skip
+    engine.add_request("s", [5, 6], _greedy(80))
+    engine.step()
+    engine.add_request("b", list(range(300, 400)), _greedy(1))
+    engine.add_request("c", list(range(500, 600)), _greedy(1))
+    engine.step()
+    engine.step()
+    for step in runner.steps[1:]:
+        prefilling = [x.request_id for x in step.scheduled if x.num_tokens > 1]
+        assert prefilling == ["b", "c"][:partials]
+    done = run_to_completion(engine)
+    assert done["c"].outputs[0].token_ids == _expected(599, 1)
+
+
+def test_long_prompts_wait_for_the_long_partial_limit():
+    engine, runner = make_engine(
+        num_blocks=256, max_num_batched_tokens=64, max_model_len=1024,
+        long_prefill_token_threshold=50, max_num_partial_prefills=2, max_long_partial_prefills=1,
+    )  # fmt: skip
+    engine.add_request("long1", list(range(100, 300)), _greedy(1))
+    engine.add_request("long2", list(range(300, 500)), _greedy(1))
+    engine.step()
+    assert [x.request_id for x in runner.steps[0].scheduled] == ["long1"]  # one long at a time
+    engine.add_request("mid", list(range(600, 645)), _greedy(1))
+    engine.step()
+    scheduled = [x.request_id for x in runner.steps[1].scheduled]
+    assert "long2" not in scheduled
+
+
+def test_policy_defaults_follow_vllm():
+    policy = ChunkPolicy.from_config(SchedulerConfig(), 8192, None)
+    assert policy.long_threshold == 327  # 4% of max_model_len
+    assert (policy.max_partial, policy.max_long_partial) == (1, 1)
+    with pytest.raises(ValueError, match="max_num_partial_prefills"):
+        ChunkPolicy.from_config(SchedulerConfig(max_num_partial_prefills=0), 8192, None)
