@@ -66,6 +66,31 @@ def git_sha() -> str | None:
     return out.stdout.strip() or None
 
 
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+"""The /proc/cpuinfo flags that decide which kernels run (printed with every table)."""
+
+
+def cpu_info() -> dict[str, Any]:
+    """The CPU model and its relevant instruction sets (Linux; unknown elsewhere)."""
+    model, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu_model": model, "cpu_isa": [f for f in ISA_FLAGS if f in flags]}
+
+
+def cpu_line(env: dict[str, Any]) -> str:
+    """One line naming the CPU, for the top of a printed table."""
+    isa = ", ".join(env.get("cpu_isa") or []) or "no AVX2"
+    return f"CPU: {env.get('cpu_model', 'unknown')} ({isa}), {env.get('num_threads')} threads"
+
+
 def environment() -> dict[str, Any]:
     import platform
 
@@ -76,6 +101,7 @@ def environment() -> dict[str, Any]:
         "num_threads": torch.get_num_threads(),
         "python_version": platform.python_version(),
         "machine": platform.machine(),
+        **cpu_info(),
     }
 
 
@@ -159,6 +185,7 @@ def render(report: dict[str, Any]) -> str:
         f"workload={cfg['workload']}" if cfg.get("workload") else f"dataset={cfg.get('dataset')}"
     )
     lines = [
+        cpu_line(report),
         f"pagellm bench throughput: {source} dtype={cfg.get('resolved_dtype', cfg.get('dtype'))} "
         f"device={cfg.get('resolved_device', 'cpu')} threads={report.get('num_threads')} torch={report.get('torch_version')}",
         format_table(_HEADERS, rows),

@@ -362,6 +362,7 @@ def run(args: argparse.Namespace) -> int:
 def render(report: dict[str, Any]) -> str:
     r = report["results"]
     lines = [
+        rep.cpu_line(report["environment"]),
         f"serve benchmark: {report['label']}  model={report['model']}  "
         f"rate={report['request_rate'] or 'inf'}  concurrency={report['max_concurrency'] or '-'}",
         rep.format_table(
