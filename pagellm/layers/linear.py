@@ -1,8 +1,11 @@
-"""Linear layers whose reduced-precision weights are pre-packed for oneDNN once, after loading.
+"""Linear layers: reduced-precision weights pre-packed for oneDNN once, after loading, and
+float32 decode steps on the few-rows kernel.
 
 ``F.linear`` on bf16 CPU tensors re-lays the weight out for oneDNN on every call; packing it once
 (the path torch's own inductor takes when freezing a model) saves that work each step: ~6% on
-this model's GEMMs. float32 keeps ``F.linear`` so that it stays bit-comparable to the reference.
+this model's GEMMs. In float32 a step of at most eight tokens goes to ``SkinnyLinearKernel``,
+which streams each weight on every core (torch's GEMM reads it on one: 1.6-5x slower here);
+larger steps keep ``F.linear``.
 """
 
 from __future__ import annotations
@@ -11,9 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.kernels.skinny_linear import SkinnyLinearKernel
+
 
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None
+    skinny: SkinnyLinearKernel | None = None
 
     def pack(self, batch_hint: int = 256) -> bool:
         """Pack the weight for oneDNN; returns False where packing does not apply."""
@@ -30,6 +36,8 @@ class Linear(nn.Linear):
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.skinny is not None and self.skinny.applies(x, self.weight):
+            return self.skinny(x, self.weight, self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -38,3 +46,15 @@ class Linear(nn.Linear):
 def pack_linears(model: nn.Module) -> int:
     """Pack every ``Linear`` of ``model``; returns how many were packed."""
     return sum(1 for m in model.modules() if isinstance(m, Linear) and m.pack())
+
+
+def use_skinny_linears(model: nn.Module, kernel: SkinnyLinearKernel | None) -> int:
+    """Give every float32 ``Linear`` of ``model`` the few-rows kernel; returns how many."""
+    if kernel is None:
+        return 0
+    count = 0
+    for m in model.modules():
+        if isinstance(m, Linear) and m.weight.dtype == torch.float32 and m.weight.is_cpu:
+            m.skinny = kernel
+            count += 1
+    return count

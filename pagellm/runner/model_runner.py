@@ -25,6 +25,8 @@ from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.config import GIB, CacheConfig, StepLimits
 from pagellm.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagellm.kernels.paged_attention import load_paged_decode_kernel, load_paged_prefill_kernel
+from pagellm.kernels.skinny_linear import load_skinny_linear_kernel
+from pagellm.layers.linear import use_skinny_linears
 from pagellm.models.arch import ModelArch
 from pagellm.parallel.comm import Collectives
 from pagellm.runner.device import gpu_kv_budget
@@ -121,6 +123,8 @@ class ModelRunner:
             prefill_kernel=load_paged_prefill_kernel() if device.type == "cpu" else None,
         )
         self.model = load_model(files, dtype, self.backend, comm, device)
+        if device.type == "cpu":
+            use_skinny_linears(self.model, load_skinny_linear_kernel())
         layers = layout.layers(arch.num_layers).count
         budget = None
         if device.type == "cuda" and cache.num_gpu_blocks_override is None:

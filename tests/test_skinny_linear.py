@@ -1,0 +1,69 @@
+"""The few-rows linear kernel against float64 ``F.linear``, and its use by ``Linear``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagellm.kernels.skinny_linear import load_skinny_linear_kernel
+from pagellm.layers.linear import Linear, use_skinny_linears
+
+
+@pytest.fixture(scope="module", params=[8, 16], ids=["8-lanes", "16-lanes"])
+def kernel(request):
+    built = load_skinny_linear_kernel(vector_width=request.param)
+    assert built is not None, "the C++ kernel must build on this machine (g++ is required)"
+    return built
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize(("n", "k"), [(1536, 576), (577, 99), (7, 1031)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_float64_linear(kernel, rows, n, k, bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    out = kernel(x, w, b)
+    expected = F.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_rounds_once_like_torch(kernel):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 576, generator=gen).bfloat16()
+    w = torch.randn(200, 576, generator=gen).bfloat16()
+    out = kernel(x, w, None)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-2, atol=0.0)
+
+
+def test_linear_takes_the_kernel_for_decode_steps_only():
+    kernel = load_skinny_linear_kernel()
+    layer = Linear(64, 48, bias=True)
+    assert use_skinny_linears(layer, kernel) == 1
+    calls = []
+    real = kernel.__call__
+
+    class Spy:
+        max_rows = kernel.max_rows
+        applies = kernel.applies
+
+        def __call__(self, *args):
+            calls.append(args[0].shape[0])
+            return real(*args)
+
+    layer.skinny = Spy()
+    for rows in (1, 8, 9, 64):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert calls == [1, 8]
+
+
+def test_rows_beyond_the_kernel_are_refused_not_miscomputed():
+    kernel = load_skinny_linear_kernel()
+    w = torch.randn(16, 32)
+    assert not kernel.applies(torch.randn(9, 32), w)
+    assert not kernel.applies(torch.randn(2, 32).bfloat16(), w)
+    assert kernel.applies(torch.randn(2, 32), w)
