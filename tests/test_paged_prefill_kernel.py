@@ -127,3 +127,14 @@ def test_fp32_matches_sdpa_exactly_where_the_reference_is_fp32(kernel):
         q.transpose(0, 1), keys, values, is_causal=True, enable_gqa=True
     ).transpose(0, 1)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [[(2100, 1)], [(1600, 5)], [(3000, 2), (1100, 3)], [(1030, 7)]],
+    ids=["1-over-2100", "5-over-1600", "two-chunks", "7-over-1030"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_short_chunks_over_long_prefixes_split_their_keys(kernel, chunks, dtype):
+    """Few work items: each is split over its prefix into parts and the parts merged."""
+    _run_case(kernel, dtype, 2, 3, 64, 16, chunks, seed=len(chunks) * 17 + chunks[0][0])

@@ -114,6 +114,18 @@ struct Args {
 struct Item {
   int chunk, kv_head, row0, rows;
   int64_t cost;
+  int key_lo = 0, key_hi = -1;  // this item's keys (key_hi -1: up to the last row's position)
+  int part = -1;                // where a split item leaves its partial result (-1: not split)
+};
+
+// A split item writes O^T unnormalized with its rows' running max and sum; merged afterwards.
+struct Partials {
+  int d;
+  std::vector<float> data;
+  float* ot(int part) { return data.data() + static_cast<size_t>(part) * stride(); }
+  float* mx(int part) { return ot(part) + static_cast<size_t>(d) * ROWS; }
+  float* sum(int part) { return mx(part) + ROWS; }
+  size_t stride() const { return static_cast<size_t>(d) * ROWS + 2 * ROWS; }
 };
 
 // Per-thread scratch, sized once per call: nothing here grows with the context.
@@ -207,7 +219,7 @@ void accumulate_tile(const float* st, const float* const* vrow, int n, int d, co
 }
 
 template <typename T>
-void attend_item(const Args& a, const Item& it, Scratch& s) {
+void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) {
   const int d = a.head_dim;
   const int group = a.num_heads / a.num_kv_heads;
   const int start = a.start_pos[it.chunk];
@@ -240,10 +252,13 @@ void attend_item(const Args& a, const Item& it, Scratch& s) {
   }
   // Keys up to the last row's own position; rows before it are masked causally.
   const int first_pos = start + it.row0 / group;
-  const int kv_end = start + (it.row0 + it.rows - 1) / group + 1;
+  const int last_key = start + (it.row0 + it.rows - 1) / group + 1;
+  const int kv_end = it.key_hi < 0 ? last_key : std::min(it.key_hi, last_key);
   const T* kc = static_cast<const T*>(a.k_cache);
   const T* vc = static_cast<const T*>(a.v_cache);
-  for (int k0 = 0; k0 < kv_end; k0 += BK) {
+  // Every row sees the first key of the range (a split starts within the cached prefix), so
+  // each row's max is finite after the first tile.
+  for (int k0 = it.key_lo; k0 < kv_end; k0 += BK) {
     const int n = std::min(BK, kv_end - k0);
     key_rows(a, kc, table, head_base, k0, n, s.kbuf.data(), s.krow.data());
     scores_tile(s.qt.data(), s.krow.data(), n, d, s.st.data());
@@ -275,6 +290,14 @@ void attend_item(const Args& a, const Item& it, Scratch& s) {
     key_rows(a, vc, table, head_base, k0, n, s.vbuf.data(), s.vrow.data());
     accumulate_tile(s.st.data(), s.vrow.data(), n, d, alpha, s.ot.data());
   }
+  if (it.part >= 0) {
+    std::copy(s.ot.begin(), s.ot.end(), partials.ot(it.part));
+    for (int v = 0; v < MV; ++v) {
+      storev(partials.mx(it.part) + v * VW, mx[v]);
+      storev(partials.sum(it.part) + v * VW, sum[v]);
+    }
+    return;
+  }
   alignas(64) float inv[ROWS];
   for (int v = 0; v < MV; ++v) storev(inv + v * VW, 1.f / sum[v]);
   T* out = static_cast<T*>(a.out);
@@ -287,37 +310,108 @@ void attend_item(const Args& a, const Item& it, Scratch& s) {
   }
 }
 
-// Work items, the costliest (longest key range) first so that threads finish together.
-std::vector<Item> make_items(const Args& a, int num_chunks) {
-  const int group = a.num_heads / a.num_kv_heads;
+// Work items, the costliest (longest key range) first so that threads finish together. When
+// there are too few to keep every thread busy (a short chunk over a long prefix: a handful of
+// items), each is split over its cached prefix into parts of at least SPLIT_MIN keys, merged
+// afterwards (flash-decoding's split of the keys).
+constexpr int SPLIT_MIN = 512;
+constexpr int MAX_PARTS = 64;
+
+struct Plan {
   std::vector<Item> items;
+  std::vector<std::pair<int, int>> splits;  // (first part's item index in `whole`, parts)
+  std::vector<Item> whole;                  // the split items before splitting
+};
+
+Plan make_plan(const Args& a, int num_chunks, int num_threads) {
+  const int group = a.num_heads / a.num_kv_heads;
+  Plan plan;
+  std::vector<Item> base;
   for (int c = 0; c < num_chunks; ++c) {
     const int rows = (a.query_starts[c + 1] - a.query_starts[c]) * group;
     for (int h = 0; h < a.num_kv_heads; ++h) {
       for (int r0 = 0; r0 < rows; r0 += ROWS) {
         const int n = std::min(ROWS, rows - r0);
         const int64_t keys = a.start_pos[c] + (r0 + n - 1) / group + 1;
-        items.push_back({c, h, r0, n, keys * n});
+        base.push_back({c, h, r0, n, keys * n});
       }
     }
   }
-  std::sort(items.begin(), items.end(),
+  if (base.empty()) return plan;
+  const int want = static_cast<int>((4 * num_threads + base.size() - 1) / base.size());
+  int num_parts = 0;
+  for (const Item& it : base) {
+    const int start = a.start_pos[it.chunk];
+    const int parts = std::min({want, start / SPLIT_MIN, MAX_PARTS});
+    if (num_threads < 2 || parts < 2) {
+      plan.items.push_back(it);
+      continue;
+    }
+    const int span = start / parts;
+    for (int p = 0; p < parts; ++p) {
+      Item part = it;
+      part.key_lo = p * span;
+      part.key_hi = p + 1 < parts ? (p + 1) * span : -1;
+      part.cost = it.cost / parts;
+      part.part = num_parts + p;
+      plan.items.push_back(part);
+    }
+    plan.splits.push_back({num_parts, parts});
+    plan.whole.push_back(it);
+    num_parts += parts;
+  }
+  std::sort(plan.items.begin(), plan.items.end(),
             [](const Item& x, const Item& y) { return x.cost > y.cost; });
-  return items;
+  return plan;
+}
+
+// out = sum_p O_p e^(m_p - m) / sum_p l_p e^(m_p - m) for each split item's rows.
+template <typename T>
+void merge_split(const Args& a, const Item& it, int first, int parts, Partials& partials) {
+  const int d = a.head_dim;
+  const int group = a.num_heads / a.num_kv_heads;
+  const int tok0 = a.query_starts[it.chunk];
+  T* out = static_cast<T*>(a.out);
+  for (int r = 0; r < it.rows; ++r) {
+    float m = -INFINITY;
+    for (int p = 0; p < parts; ++p) m = std::max(m, partials.mx(first + p)[r]);
+    float total = 0.f;
+    float weight[MAX_PARTS];
+    for (int p = 0; p < parts; ++p) {
+      weight[p] = std::exp(partials.mx(first + p)[r] - m);
+      total += partials.sum(first + p)[r] * weight[p];
+    }
+    const int row = it.row0 + r;
+    T* dst = out + (static_cast<int64_t>(tok0 + row / group) * a.num_heads + it.kv_head * group +
+                    row % group) * d;
+    for (int x = 0; x < d; ++x) {
+      float acc = 0.f;
+      for (int p = 0; p < parts; ++p) acc += partials.ot(first + p)[x * ROWS + r] * weight[p];
+      store(dst + x, acc / total);
+    }
+  }
 }
 
 // Threads come from the OpenMP runtime torch already loaded (the library links libgomp by its
 // soname), so the kernel runs on torch's own pool: no threads of ours spinning against torch's.
 template <typename T>
 void run(const Args& a, int num_chunks, int num_threads) {
-  const std::vector<Item> items = make_items(a, num_chunks);
-  const int n = static_cast<int>(items.size());
+  const Plan plan = make_plan(a, num_chunks, std::max(1, num_threads));
+  const int n = static_cast<int>(plan.items.size());
+  int num_parts = 0;
+  for (const auto& sp : plan.splits) num_parts += sp.second;
+  Partials partials{a.head_dim, {}};
+  partials.data.resize(static_cast<size_t>(num_parts) * partials.stride());
   num_threads = std::max(1, std::min(num_threads, n));
 #pragma omp parallel num_threads(num_threads)
   {
     Scratch scratch(a.head_dim);
 #pragma omp for schedule(dynamic, 1)
-    for (int i = 0; i < n; ++i) attend_item<T>(a, items[i], scratch);
+    for (int i = 0; i < n; ++i) attend_item<T>(a, plan.items[i], scratch, partials);
+#pragma omp for schedule(static)
+    for (int i = 0; i < static_cast<int>(plan.splits.size()); ++i) {
+      merge_split<T>(a, plan.whole[i], plan.splits[i].first, plan.splits[i].second, partials);
+    }
   }
 }
 

@@ -1,5 +1,6 @@
-// y = x W^T (+ bias) for a few rows of x: the decode steps' linear layers. With one to eight
-// tokens a step streams every weight once and does little arithmetic with it, so the step is
+// y = x W^T (+ bias) for a few rows of x (at most 24): decode steps' linear layers, and the
+// small mixed steps of a long prompt cut into chunks while others decode. With few tokens a step
+// streams every weight once and does little arithmetic with it, so the step is
 // bounded by memory bandwidth; torch's CPU GEMM reads such a weight on one core (~9.5 GB/s on
 // a Zen 2/3 EPYC, where two cores read ~19 GB/s). Here the output features are split over
 // torch's OpenMP pool (the library links libgomp by its soname), each thread streaming its own
@@ -78,45 +79,74 @@ void rows_block(const T* w, const float* xf, int k, int n, float* acc_out) {
   }
 }
 
-template <typename T, int M>
-void run_m(const T* x, const T* w, const T* bias, T* out, int n_out, int k, int num_threads) {
-  constexpr int R = M <= 2 ? 4 : (M <= 4 ? 2 : 1);  // accumulators M * R stay in registers
-  std::vector<float> xf(static_cast<size_t>(M) * k);
-  for (int i = 0; i < M * k; ++i) xf[i] = to_float(x[i]);
-  const int blocks = (n_out + R - 1) / R;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (int b = 0; b < blocks; ++b) {
-    const int n = b * R;
-    float res[M * R];
-    if (n + R <= n_out) {
-      rows_block<T, M, R>(w, xf.data(), k, n, res);
-    } else {  // the last rows one at a time
-      for (int r = 0; n + r < n_out; ++r) {
-        float one[M];
-        rows_block<T, M, 1>(w, xf.data(), k, n + r, one);
-        for (int m = 0; m < M; ++m) res[m * R + r] = one[m];
-      }
-    }
-    for (int r = 0; r < R && n + r < n_out; ++r) {
-      const float b0 = bias ? to_float(bias[n + r]) : 0.f;
-      for (int m = 0; m < M; ++m) store(out + static_cast<int64_t>(m) * n_out + n + r, res[m * R + r] + b0);
-    }
+// Rows [n, n + nrows) of W (nrows <= 4) against an MB-row block of x: out rows m0..m0+MB-1.
+template <typename T, int MB>
+void block_rows(const T* w, const float* xf, int k, int n, int nrows, const T* bias, T* out,
+                int n_out) {
+  constexpr int R = MB <= 2 ? 4 : (MB <= 4 ? 2 : 1);  // accumulators MB * R stay in registers
+  float res[MB * 4];
+  int r0 = 0;
+  for (; r0 + R <= nrows; r0 += R) {
+    float part[MB * R];
+    rows_block<T, MB, R>(w, xf, k, n + r0, part);
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < R; ++r) res[m * 4 + r0 + r] = part[m * R + r];
+  }
+  for (; r0 < nrows; ++r0) {
+    float part[MB];
+    rows_block<T, MB, 1>(w, xf, k, n + r0, part);
+    for (int m = 0; m < MB; ++m) res[m * 4 + r0] = part[m];
+  }
+  for (int r = 0; r < nrows; ++r) {
+    const float b0 = bias ? to_float(bias[n + r]) : 0.f;
+    for (int m = 0; m < MB; ++m) store(out + static_cast<int64_t>(m) * n_out + n + r, res[m * 4 + r] + b0);
   }
 }
 
+using BlockFn = void (*)(const void*, const float*, int, int, int, const void*, void*, int);
+
+template <typename T, int MB>
+void block_entry(const void* w, const float* xf, int k, int n, int nrows, const void* bias,
+                 void* out, int n_out) {
+  block_rows<T, MB>(static_cast<const T*>(w), xf, k, n, nrows, static_cast<const T*>(bias),
+                    static_cast<T*>(out), n_out);
+}
+
 template <typename T>
-int run(const T* x, const T* w, const T* bias, T* out, int m, int n, int k, int threads) {
-  switch (m) {
-    case 1: run_m<T, 1>(x, w, bias, out, n, k, threads); return 0;
-    case 2: run_m<T, 2>(x, w, bias, out, n, k, threads); return 0;
-    case 3: run_m<T, 3>(x, w, bias, out, n, k, threads); return 0;
-    case 4: run_m<T, 4>(x, w, bias, out, n, k, threads); return 0;
-    case 5: run_m<T, 5>(x, w, bias, out, n, k, threads); return 0;
-    case 6: run_m<T, 6>(x, w, bias, out, n, k, threads); return 0;
-    case 7: run_m<T, 7>(x, w, bias, out, n, k, threads); return 0;
-    case 8: run_m<T, 8>(x, w, bias, out, n, k, threads); return 0;
-    default: return 3;
+BlockFn block_fn(int mb) {
+  switch (mb) {
+    case 1: return block_entry<T, 1>;
+    case 2: return block_entry<T, 2>;
+    case 3: return block_entry<T, 3>;
+    case 4: return block_entry<T, 4>;
+    case 5: return block_entry<T, 5>;
+    case 6: return block_entry<T, 6>;
+    case 7: return block_entry<T, 7>;
+    default: return block_entry<T, 8>;
   }
+}
+
+constexpr int MAX_ROWS = 24;  // past this torch's GEMM is as fast (measured at 32)
+
+// Each thread takes whole 4-row slices of W and applies them to every 8-row block of x while
+// they are in L1: W is read from memory once whatever the number of rows.
+template <typename T>
+int run(const T* x, const T* w, const T* bias, T* out, int m, int n_out, int k, int threads) {
+  if (m < 1 || m > MAX_ROWS) return 3;
+  std::vector<float> xf(static_cast<size_t>(m) * k);
+  for (size_t i = 0; i < xf.size(); ++i) xf[i] = to_float(x[i]);
+  const int slices = (n_out + 3) / 4;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int s = 0; s < slices; ++s) {
+    const int n = s * 4;
+    const int nrows = std::min(4, n_out - n);
+    for (int m0 = 0; m0 < m; m0 += 8) {
+      const int mb = std::min(8, m - m0);
+      block_fn<T>(mb)(w, xf.data() + static_cast<size_t>(m0) * k, k, n, nrows, bias,
+                      out + static_cast<int64_t>(m0) * n_out, n_out);
+    }
+  }
+  return 0;
 }
 
 }  // namespace
@@ -137,4 +167,4 @@ extern "C" int skinny_linear(int dtype_code,  // 0 = float32, 1 = bfloat16
   return 2;
 }
 
-extern "C" int skinny_linear_max_rows() { return 8; }
+extern "C" int skinny_linear_max_rows() { return MAX_ROWS; }

@@ -12,7 +12,7 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class SkinnyLinearKernel:
-    """``out = x @ weight.T + bias`` for x of at most ``max_rows`` rows (decode steps)."""
+    """``out = x @ weight.T + bias`` for x of at most ``max_rows`` rows (decode and small mixed steps)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.skinny_linear
