@@ -66,11 +66,15 @@ class Stream:
 
     sent: float
     chunk_times: list[float] = field(default_factory=list)
+    first_event: float | None = None
+    """When the first event with a choice arrived (a token whose text is still empty, e.g. half
+    of a UTF-8 character, counts here but not among the content chunks)."""
     error: str | None = None
 
     @property
     def ttft(self) -> float | None:
-        return self.chunk_times[0] - self.sent if self.chunk_times else None
+        first = self.first_event or (self.chunk_times[0] if self.chunk_times else None)
+        return None if first is None else first - self.sent
 
     def gaps(self, after: float = float("-inf"), until: float = float("inf")) -> list[float]:
         """Inter-chunk gaps whose later chunk arrived in (after, until]."""
@@ -100,7 +104,10 @@ async def stream_completion(
                 if "error" in event:
                     stream.error = str(event["error"])
                     return
-                if any(_chunk_text(c) for c in event.get("choices") or []):
+                choices = event.get("choices") or []
+                if choices and stream.first_event is None:
+                    stream.first_event = time.perf_counter()
+                if any(_chunk_text(c) for c in choices):
                     stream.chunk_times.append(time.perf_counter())
     except Exception as exc:  # noqa: BLE001 - a failed request is a result
         stream.error = f"{type(exc).__name__}: {exc}"
@@ -260,7 +267,7 @@ async def run_fairness(args: argparse.Namespace, model: str, headers: dict[str, 
             await stream_completion(
                 client, url, completion_body(model, long_prompt, 1), headers, long_stream
             )
-        first_token = long_stream.chunk_times[0] if long_stream.chunk_times else time.perf_counter()
+        first_token = long_stream.first_event or time.perf_counter()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
