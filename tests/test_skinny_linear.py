@@ -17,7 +17,7 @@ def kernel(request):
     return built
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 24])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 32])
 @pytest.mark.parametrize(("n", "k"), [(1536, 576), (577, 99), (7, 1031)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_float64_linear(kernel, rows, n, k, bias):
@@ -55,15 +55,15 @@ def test_linear_takes_the_kernel_for_decode_steps_only():
             return real(*args)
 
     layer.skinny = Spy()
-    for rows in (1, 8, 24, 25, 64):
+    for rows in (1, 8, 32, 33, 64):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
-    assert calls == [1, 8, 24]
+    assert calls == [1, 8, 32]
 
 
 def test_rows_beyond_the_kernel_are_refused_not_miscomputed():
     kernel = load_skinny_linear_kernel()
     w = torch.randn(16, 32)
-    assert not kernel.applies(torch.randn(25, 32), w)
+    assert not kernel.applies(torch.randn(33, 32), w)
     assert not kernel.applies(torch.randn(2, 32).bfloat16(), w)
     assert kernel.applies(torch.randn(2, 32), w)

@@ -50,6 +50,7 @@ class KernelPrefills:
     """int32 [chunks + 1]: each chunk's first token, counted from ``token_start``."""
     start_pos: torch.Tensor
     """int32 [chunks]: tokens cached before each chunk."""
+    max_chunk_tokens: int
 
 
 @dataclass(slots=True)
@@ -89,8 +90,9 @@ class TorchAttentionBackend:
             decode_kernel if on_cpu and decode_kernel and decode_kernel.supports(dtype) else None
         )
         self.prefill_kernel = (
-            prefill_kernel if on_cpu and prefill_kernel and prefill_kernel.supports(dtype) else None
+            prefill_kernel if prefill_kernel and prefill_kernel.supports(dtype) else None
         )
+        """The C++ kernel on a CPU, the Triton one on a GPU (same contract)."""
         self.fused_sdpa = not on_cpu
         """On a GPU, reduced precision also goes through SDPA (flash / memory-efficient)."""
         self.num_heads = num_heads
@@ -243,6 +245,7 @@ class TorchAttentionBackend:
                 batch.start_pos,
                 out[start:],
                 self.scale,
+                batch.max_chunk_tokens,
             )
         return out.view(q.shape[0], -1)
 
@@ -338,6 +341,7 @@ def _kernel_prefills(seqs: list[SeqLayout], token_start: int) -> KernelPrefills:
         tables,
         torch.tensor(starts, dtype=torch.int32),
         torch.tensor([s.start_pos for s in seqs], dtype=torch.int32),
+        max(s.num_tokens for s in seqs),
     )
 
 
@@ -366,3 +370,7 @@ def _move_to(meta: TorchAttentionMetadata, device: torch.device) -> None:
     for chunk in meta.prefills:
         if chunk.gather_idx is not None:
             chunk.gather_idx = chunk.gather_idx.to(device, non_blocking=True)
+    batch = meta.kernel_prefills
+    if batch is not None:
+        for name in ("block_tables", "query_starts", "start_pos"):
+            setattr(batch, name, getattr(batch, name).to(device, non_blocking=True))

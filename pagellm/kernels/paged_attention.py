@@ -104,10 +104,12 @@ class PagedPrefillKernel:
         start_pos: torch.Tensor,
         out: torch.Tensor,
         scale: float,
+        max_chunk_tokens: int | None = None,
     ) -> None:
         """q/out [T, Hq, D]; caches [Hkv, blocks, block_size, D]; int32 ``block_tables``
         [chunks, max_blocks], ``query_starts`` [chunks + 1] (token offsets into q) and
-        ``start_pos`` [chunks] (tokens cached before each chunk)."""
+        ``start_pos`` [chunks] (tokens cached before each chunk). ``max_chunk_tokens`` is
+        for the Triton kernel's grid (unused here)."""
         for t in (q, out, block_tables, query_starts, start_pos):
             assert t.is_contiguous()
         for t in (block_tables, query_starts, start_pos):

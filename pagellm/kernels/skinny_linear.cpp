@@ -1,4 +1,4 @@
-// y = x W^T (+ bias) for a few rows of x (at most 24): decode steps' linear layers, and the
+// y = x W^T (+ bias) for a few rows of x (at most 32): decode steps' linear layers, and the
 // small mixed steps of a long prompt cut into chunks while others decode. With few tokens a step
 // streams every weight once and does little arithmetic with it, so the step is
 // bounded by memory bandwidth; torch's CPU GEMM reads such a weight on one core (~9.5 GB/s on
@@ -79,27 +79,37 @@ void rows_block(const T* w, const float* xf, int k, int n, float* acc_out) {
   }
 }
 
-// Rows [n, n + nrows) of W (nrows <= 4) against an MB-row block of x: out rows m0..m0+MB-1.
+// Register blocking: RW rows of W against XB rows of x, RW * XB accumulators + RW + 1 loads in
+// registers, so each step of the K loop loads RW + XB vectors for RW * XB FMAs. Eight rows of x
+// against one W row (the obvious loop) loaded 9 vectors for 8 FMAs and was bound by loads; 4 x 2
+// (13 registers of AVX2's 16) read the weights of a 135M model ~1.2x faster at 8-32 tokens; the
+// other shapes tried (3x4, 3x3, 2x4, 5x2, 6x2, 8x1) were within the noise of this machine.
+#ifndef SK_RW
+#define SK_RW 4
+#endif
+#ifndef SK_XB
+#define SK_XB 2
+#endif
+constexpr int RW = SK_RW;
+constexpr int XB = SK_XB;
+
+// Rows [n, n + nrows) of W (nrows <= RW) against an MB-row block of x: out rows of that block.
 template <typename T, int MB>
 void block_rows(const T* w, const float* xf, int k, int n, int nrows, const T* bias, T* out,
                 int n_out) {
-  constexpr int R = MB <= 2 ? 4 : (MB <= 4 ? 2 : 1);  // accumulators MB * R stay in registers
-  float res[MB * 4];
-  int r0 = 0;
-  for (; r0 + R <= nrows; r0 += R) {
-    float part[MB * R];
-    rows_block<T, MB, R>(w, xf, k, n + r0, part);
-    for (int m = 0; m < MB; ++m)
-      for (int r = 0; r < R; ++r) res[m * 4 + r0 + r] = part[m * R + r];
-  }
-  for (; r0 < nrows; ++r0) {
-    float part[MB];
-    rows_block<T, MB, 1>(w, xf, k, n + r0, part);
-    for (int m = 0; m < MB; ++m) res[m * 4 + r0] = part[m];
+  float res[MB * RW];
+  if (nrows == RW) {
+    rows_block<T, MB, RW>(w, xf, k, n, res);
+  } else {
+    for (int r = 0; r < nrows; ++r) {
+      float part[MB];
+      rows_block<T, MB, 1>(w, xf, k, n + r, part);
+      for (int m = 0; m < MB; ++m) res[m * RW + r] = part[m];
+    }
   }
   for (int r = 0; r < nrows; ++r) {
     const float b0 = bias ? to_float(bias[n + r]) : 0.f;
-    for (int m = 0; m < MB; ++m) store(out + static_cast<int64_t>(m) * n_out + n + r, res[m * 4 + r] + b0);
+    for (int m = 0; m < MB; ++m) store(out + static_cast<int64_t>(m) * n_out + n + r, res[m * RW + r] + b0);
   }
 }
 
@@ -114,34 +124,31 @@ void block_entry(const void* w, const float* xf, int k, int n, int nrows, const 
 
 template <typename T>
 BlockFn block_fn(int mb) {
+  static_assert(XB >= 1 && XB <= 4, "x blocks of 1 to 4 rows");
   switch (mb) {
     case 1: return block_entry<T, 1>;
-    case 2: return block_entry<T, 2>;
-    case 3: return block_entry<T, 3>;
-    case 4: return block_entry<T, 4>;
-    case 5: return block_entry<T, 5>;
-    case 6: return block_entry<T, 6>;
-    case 7: return block_entry<T, 7>;
-    default: return block_entry<T, 8>;
+    case 2: return block_entry<T, 2 <= XB ? 2 : 1>;
+    case 3: return block_entry<T, 3 <= XB ? 3 : 1>;
+    default: return block_entry<T, XB>;
   }
 }
 
-constexpr int MAX_ROWS = 24;  // past this torch's GEMM is as fast (measured at 32)
+constexpr int MAX_ROWS = 32;  // past this torch's GEMM catches up
 
-// Each thread takes whole 4-row slices of W and applies them to every 8-row block of x while
+// Each thread takes whole RW-row slices of W and applies them to every XB-row block of x while
 // they are in L1: W is read from memory once whatever the number of rows.
 template <typename T>
 int run(const T* x, const T* w, const T* bias, T* out, int m, int n_out, int k, int threads) {
   if (m < 1 || m > MAX_ROWS) return 3;
   std::vector<float> xf(static_cast<size_t>(m) * k);
   for (size_t i = 0; i < xf.size(); ++i) xf[i] = to_float(x[i]);
-  const int slices = (n_out + 3) / 4;
+  const int slices = (n_out + RW - 1) / RW;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int s = 0; s < slices; ++s) {
-    const int n = s * 4;
-    const int nrows = std::min(4, n_out - n);
-    for (int m0 = 0; m0 < m; m0 += 8) {
-      const int mb = std::min(8, m - m0);
+    const int n = s * RW;
+    const int nrows = std::min(RW, n_out - n);
+    for (int m0 = 0; m0 < m; m0 += XB) {
+      const int mb = std::min(XB, m - m0);
       block_fn<T>(mb)(w, xf.data() + static_cast<size_t>(m0) * k, k, n, nrows, bias,
                       out + static_cast<int64_t>(m0) * n_out, n_out);
     }

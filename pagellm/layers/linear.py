@@ -3,7 +3,7 @@ float32 decode steps on the few-rows kernel.
 
 ``F.linear`` on bf16 CPU tensors re-lays the weight out for oneDNN on every call; packing it once
 (the path torch's own inductor takes when freezing a model) saves that work each step: ~6% on
-this model's GEMMs. In float32 a step of at most 24 tokens goes to ``SkinnyLinearKernel``,
+this model's GEMMs. In float32 a step of at most 32 tokens goes to ``SkinnyLinearKernel``,
 which streams each weight on every core (torch's GEMM reads it on one: 1.6-5x slower here);
 larger steps keep ``F.linear``.
 """

@@ -91,6 +91,15 @@ def _bytes_per_block(
     )
 
 
+def _prefill_kernel(device: torch.device):
+    """The C++ prefill kernel on a CPU, the Triton one on a GPU where Triton is installed."""
+    if device.type == "cpu":
+        return load_paged_prefill_kernel()
+    from pagellm.attention.triton_prefill import TritonPrefillKernel, triton_available
+
+    return TritonPrefillKernel() if triton_available() else None
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -120,7 +129,7 @@ class ModelRunner:
             dtype,
             decode_kernel=load_paged_decode_kernel() if device.type == "cpu" else None,
             device=device,
-            prefill_kernel=load_paged_prefill_kernel() if device.type == "cpu" else None,
+            prefill_kernel=_prefill_kernel(device),
         )
         self.model = load_model(files, dtype, self.backend, comm, device)
         if device.type == "cpu":
