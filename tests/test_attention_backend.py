@@ -72,3 +72,41 @@ def test_mixed_batch_matches_naive_attention(dtype, path, D):
     )
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("contexts", [[1500], [600, 3000, 257]], ids=["one-seq", "three-seqs"])
+def test_long_context_decodes_match_naive_attention(dtype, contexts):
+    """Few sequences with long contexts: the kernel splits each one's keys over the threads
+    (AVX2) and merges the parts."""
+    gen = torch.Generator().manual_seed(len(contexts))
+    D, blocks_per_seq = 64, 200
+    kernel = load_paged_decode_kernel()
+    assert kernel is not None
+    backend = TorchAttentionBackend(HQ, HKV, D, BS, dtype, decode_kernel=kernel)
+    num_blocks = blocks_per_seq * 4 * len(contexts)
+    (cache,) = backend.allocate_cache(1, num_blocks)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    seqs, ks, vs = [], [], []
+    for i, ctx in enumerate(contexts):
+        blocks = order[i * blocks_per_seq * 4 : i * blocks_per_seq * 4 + -(-(ctx + 1) // BS)]
+        k = torch.randn(ctx + 1, HKV, D, generator=gen)
+        v = torch.randn(ctx + 1, HKV, D, generator=gen)
+        meta = backend.build_metadata([SeqLayout(ctx, 0, blocks)], num_blocks)
+        backend._write(*cache, k[:ctx].to(dtype), v[:ctx].to(dtype), meta.slot_mapping)
+        seqs.append(SeqLayout(1, ctx, blocks))
+        ks.append(k)
+        vs.append(v)
+    q = torch.randn(len(contexts), HQ, D, generator=gen)
+    meta = backend.build_metadata(seqs, num_blocks)
+    new_k = torch.stack([k[-1] for k in ks]).to(dtype)
+    new_v = torch.stack([v[-1] for v in vs]).to(dtype)
+    out = backend.forward(cache, q.to(dtype), new_k, new_v, meta).float()
+    expected = torch.cat(
+        [
+            _naive(q[i : i + 1].to(dtype).float(), k.to(dtype).float(), v.to(dtype).float())
+            for i, (k, v) in enumerate(zip(ks, vs, strict=True))
+        ]
+    )
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)

@@ -75,7 +75,10 @@ if triton is not None:
                 m_i = m_new
             result = acc / l_i[:, None]
             tl.store(
-                out_ptr + (first + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                out_ptr
+                + (first + offs_m)[:, None] * stride_qt
+                + head * stride_qh
+                + offs_d[None, :],
                 result.to(out_ptr.dtype.element_ty),
                 mask=row_ok[:, None] & d_ok[None, :],
             )

@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 #include <algorithm>
+#include <utility>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -262,7 +263,23 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
-void softmax_avx2(float* s, int n) {
+// Rows of the keys [j0, j0 + n) of one kv head (n <= SLICE), walking the block table.
+template <typename T>
+void slice_rows(const Args& a, const T* cache, const int32_t* table, int64_t head_base, int j0,
+                int n, const T** rows) {
+  int blk = j0 / a.block_size, off = j0 % a.block_size;
+  for (int r = 0; r < n; ++r, ++off) {
+    if (off == a.block_size) {
+      off = 0;
+      ++blk;
+    }
+    rows[r] = cache + (head_base + static_cast<int64_t>(table[blk]) * a.block_size + off) *
+                          a.head_dim;
+  }
+}
+
+// Exponentials of s[0..n) after subtracting their max, in place; returns (max, sum).
+std::pair<float, float> exp_avx2(float* s, int n) {
   __m256 vmax = _mm256_set1_ps(-3.0e38f);
   int j = 0;
   for (; j + 8 <= n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
@@ -285,45 +302,30 @@ void softmax_avx2(float* s, int n) {
   }
   _mm256_store_ps(lanes, vsum);
   for (int i = 0; i < 8; ++i) sum += lanes[i];
-  const __m256 inv = _mm256_set1_ps(1.f / sum);
-  const float inv_s = 1.f / sum;
-  for (j = 0; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inv));
-  for (; j < n; ++j) s[j] *= inv_s;
+  return {mx, sum};
 }
 
-// Rows of the keys [j0, j0 + n) of one kv head (n <= SLICE), walking the block table.
-template <typename T>
-void slice_rows(const Args& a, const T* cache, const int32_t* table, int64_t head_base, int j0,
-                int n, const T** rows) {
-  int blk = j0 / a.block_size, off = j0 % a.block_size;
-  for (int r = 0; r < n; ++r, ++off) {
-    if (off == a.block_size) {
-      off = 0;
-      ++blk;
-    }
-    rows[r] = cache + (head_base + static_cast<int64_t>(table[blk]) * a.block_size + off) *
-                          a.head_dim;
-  }
-}
-
+// Keys [lo, hi) of one (sequence, kv head) pair: per query head of the group, the output not yet
+// divided by its softmax sum (part[g * d ...]), then the max (part[group * d + g]) and the sum
+// (part[group * d + group + g]) of its scores.
 template <typename T, int W>
-void attend_pair_avx2(const Args& a, int b, int kvh, std::vector<float>& scores,
-                      std::vector<float>& acc_buf) {
+void attend_part_avx2(const Args& a, int b, int kvh, int lo, int hi, std::vector<float>& scores,
+                      float* part) {
   const int group = a.num_heads / a.num_kv_heads;
   const int d = a.head_dim;
-  const int ctx = a.context_lens[b];
+  const int ctx = hi - lo;
   const T* q = static_cast<const T*>(a.q) + (static_cast<int64_t>(b) * a.num_heads + kvh * group) * d;
   const int32_t* table = a.block_tables + static_cast<int64_t>(b) * a.max_blocks;
   const int64_t head_base = static_cast<int64_t>(kvh) * a.num_blocks * a.block_size;
   const T* kc = static_cast<const T*>(a.k_cache);
   const T* vc = static_cast<const T*>(a.v_cache);
   scores.resize(static_cast<size_t>(group) * ctx);
-  acc_buf.assign(static_cast<size_t>(group) * d, 0.f);
+  std::fill(part, part + static_cast<size_t>(group) * d, 0.f);
   const T* rows[SLICE];
   const __m256 scale = _mm256_set1_ps(a.scale);
   for (int j0 = 0; j0 < ctx; j0 += SLICE) {
     const int n = std::min(SLICE, ctx - j0);
-    slice_rows(a, kc, table, head_base, j0, n, rows);
+    slice_rows(a, kc, table, head_base, lo + j0, n, rows);
     for (int g = 0; g < group; ++g) {
       __m256 qv[W];
       for (int x = 0; x < W; ++x) qv[x] = _mm256_mul_ps(load8(q + g * d + x * 8), scale);
@@ -346,12 +348,16 @@ void attend_pair_avx2(const Args& a, int b, int kvh, std::vector<float>& scores,
       }
     }
   }
-  for (int g = 0; g < group; ++g) softmax_avx2(scores.data() + static_cast<size_t>(g) * ctx, ctx);
+  for (int g = 0; g < group; ++g) {
+    const auto [mx, sum] = exp_avx2(scores.data() + static_cast<size_t>(g) * ctx, ctx);
+    part[group * d + g] = mx;
+    part[group * d + group + g] = sum;
+  }
   for (int j0 = 0; j0 < ctx; j0 += SLICE) {
     const int n = std::min(SLICE, ctx - j0);
-    slice_rows(a, vc, table, head_base, j0, n, rows);
+    slice_rows(a, vc, table, head_base, lo + j0, n, rows);
     for (int g = 0; g < group; ++g) {
-      float* ag = acc_buf.data() + static_cast<size_t>(g) * d;
+      float* ag = part + static_cast<size_t>(g) * d;
       __m256 acc[W];
       for (int x = 0; x < W; ++x) acc[x] = _mm256_loadu_ps(ag + x * 8);
       const float* pg = scores.data() + static_cast<size_t>(g) * ctx + j0;
@@ -362,15 +368,76 @@ void attend_pair_avx2(const Args& a, int b, int kvh, std::vector<float>& scores,
       for (int x = 0; x < W; ++x) _mm256_storeu_ps(ag + x * 8, acc[x]);
     }
   }
-  T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.num_heads + kvh * group) * d;
-  for (int i = 0; i < group * d; ++i) store(out + i, acc_buf[i]);
 }
 
-// The vectorized pair for this head size, or nullptr (then the portable loop runs).
+using PartFn = void (*)(const Args&, int, int, int, int, std::vector<float>&, float*);
+
+// Pairs split into parts of at least SPLIT_KEYS keys when there are fewer pairs than work for
+// every thread (one sequence: a few kv heads for all the cores), on torch's OpenMP pool; the
+// parts are merged by their max and sum (flash-decoding).
+constexpr int SPLIT_KEYS = 256;
+constexpr int MAX_SPLIT = 64;
+
 template <typename T>
-void (*pick_avx2(int head_dim))(const Args&, int, int, std::vector<float>&, std::vector<float>&) {
-  if (head_dim == 64) return attend_pair_avx2<T, 8>;
-  if (head_dim == 128) return attend_pair_avx2<T, 16>;
+void run_avx2(const Args& a, int num_threads, PartFn fn) {
+  const int group = a.num_heads / a.num_kv_heads;
+  const int d = a.head_dim;
+  const int pairs = a.batch * a.num_kv_heads;
+  const int want = (4 * num_threads + pairs - 1) / pairs;
+  struct Task { int pair, lo, hi, slot; };
+  std::vector<Task> tasks;
+  std::vector<std::pair<int, int>> slots(pairs);  // first slot, parts
+  for (int p = 0; p < pairs; ++p) {
+    const int ctx = a.context_lens[p / a.num_kv_heads];
+    const int parts = std::max(1, std::min({want, ctx / SPLIT_KEYS, MAX_SPLIT}));
+    slots[p] = {static_cast<int>(tasks.size()), parts};
+    const int span = (ctx + parts - 1) / parts;
+    for (int i = 0; i < parts; ++i) {
+      tasks.push_back({p, i * span, std::min(ctx, (i + 1) * span), static_cast<int>(tasks.size())});
+    }
+  }
+  const size_t stride = static_cast<size_t>(group) * (d + 2);
+  std::vector<float> buf(tasks.size() * stride);
+  const int n = static_cast<int>(tasks.size());
+  num_threads = std::max(1, std::min(num_threads, n));
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < n; ++i) {
+      const Task& t = tasks[i];
+      fn(a, t.pair / a.num_kv_heads, t.pair % a.num_kv_heads, t.lo, t.hi, scores,
+         buf.data() + t.slot * stride);
+    }
+#pragma omp for schedule(static)
+    for (int p = 0; p < pairs; ++p) {
+      const int first = slots[p].first, parts = slots[p].second;
+      T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(p / a.num_kv_heads) * a.num_heads +
+                                         (p % a.num_kv_heads) * group) * d;
+      for (int g = 0; g < group; ++g) {
+        float m = -3.0e38f;
+        for (int i = 0; i < parts; ++i) m = std::max(m, buf[(first + i) * stride + group * d + g]);
+        float w[MAX_SPLIT], total = 0.f;
+        for (int i = 0; i < parts; ++i) {
+          const float* part = buf.data() + (first + i) * stride;
+          w[i] = std::exp(part[group * d + g] - m);
+          total += part[group * d + group + g] * w[i];
+        }
+        for (int x = 0; x < d; ++x) {
+          float acc = 0.f;
+          for (int i = 0; i < parts; ++i) acc += buf[(first + i) * stride + g * d + x] * w[i];
+          store(out + g * d + x, acc / total);
+        }
+      }
+    }
+  }
+}
+
+// The vectorized part for this head size, or nullptr (then the portable loop runs).
+template <typename T>
+PartFn pick_avx2(int head_dim) {
+  if (head_dim == 64) return attend_part_avx2<T, 8>;
+  if (head_dim == 128) return attend_part_avx2<T, 16>;
   return nullptr;
 }
 #endif
@@ -446,7 +513,10 @@ void run(const Args& a, int num_threads) {
 #if defined(__AVX512F__)
   vectorized = pick_avx512<T>(a.head_dim, a.num_heads / a.num_kv_heads);
 #elif defined(__AVX2__) && defined(__FMA__)
-  vectorized = pick_avx2<T>(a.head_dim);
+  if (PartFn part = pick_avx2<T>(a.head_dim)) {
+    run_avx2<T>(a, num_threads, part);
+    return;
+  }
 #endif
   auto worker = [&a, pairs, &num_threads, vectorized](int t) {
     std::vector<float> scores, acc, qf;

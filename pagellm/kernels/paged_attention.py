@@ -70,7 +70,7 @@ class PagedDecodeKernel:
 
 
 def load_paged_decode_kernel() -> PagedDecodeKernel | None:
-    lib = build_library("paged_attention.cpp")
+    lib = build_library("paged_attention.cpp", ("-fopenmp",))  # torch's libgomp (AVX2 path)
     return PagedDecodeKernel(lib) if lib is not None else None
 
 
