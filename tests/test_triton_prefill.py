@@ -58,9 +58,9 @@ def test_the_backend_sends_every_prefill_chunk_to_the_kernel_in_one_call():
     gen = torch.Generator().manual_seed(5)
     (cache,) = backend.allocate_cache(1, blocks)
     (ref_cache,) = reference.allocate_cache(1, blocks)
-    for c in (cache, ref_cache):
-        for t in c:
-            t.copy_(torch.randn(t.shape, generator=gen))
+    for t, ref_t in zip(cache, ref_cache, strict=True):
+        t.copy_(torch.randn(t.shape, generator=gen))
+        ref_t.copy_(t)
     seqs = [SeqLayout(1, 20, [3, 4]), SeqLayout(9, 0, [7]), SeqLayout(12, 30, [0, 1, 2])]
     n = sum(s.num_tokens for s in seqs)
     q, k, v = (torch.randn(n, h, d, generator=gen) for h in (hq, hkv, hkv))
