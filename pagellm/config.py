@@ -73,7 +73,7 @@ class SchedulerConfig:
     """Most requests whose prefill goes on past the step (partial prefills) in one step."""
     max_long_partial_prefills: int = 1
     """Most long prompts among those partial prefills."""
-    long_prefill_decode_budget: int = 8
+    long_prefill_decode_budget: int = 16
     """A long prompt's work per step while others decode, in tokens at the start of a
     sequence: a chunk deeper in the prompt gets fewer tokens, as its attention reads more
     context (the streams decoding then keep their inter-token latency; 0: no cut)."""
