@@ -21,6 +21,18 @@ class Reference:
     logits: list[torch.Tensor]
 
 
+def load_default_hf(dtype: torch.dtype = torch.float32):
+    """transformers' own model for the embedded default GGUF (its own GGUF loader)."""
+    import transformers
+
+    from pagellm.fetch import require_default_model
+
+    path = require_default_model()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype
+    ).eval()
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> Reference:
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():

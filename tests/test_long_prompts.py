@@ -13,11 +13,9 @@ import inspect
 import os
 
 import pytest
-import torch
-from reference import compare_greedy, hf_greedy
+from reference import compare_greedy, hf_greedy, load_default_hf
 
 from pagellm import LLM, SamplingParams
-from pagellm.fetch import require_default_model
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +25,7 @@ LONG = os.environ.get("PAGELLM_LONG_TESTS") == "1"
 
 @pytest.fixture(scope="module")
 def hf():
-    import transformers
-
-    path = require_default_model()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    return load_default_hf()
 
 
 @pytest.fixture(scope="module")

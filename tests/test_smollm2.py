@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from reference import compare_greedy, hf_greedy
+from reference import compare_greedy, hf_greedy, load_default_hf
 
 from pagellm import LLM, SamplingParams
 from pagellm.fetch import require_default_model
@@ -31,12 +31,7 @@ def llm():
 
 @pytest.fixture(scope="module")
 def hf():
-    import transformers
-
-    path = require_default_model()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    return load_default_hf()
 
 
 @pytest.fixture(scope="module")

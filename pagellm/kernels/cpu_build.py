@@ -47,7 +47,8 @@ def build_library(source_name: str, extra_flags: tuple[str, ...] = ()) -> ctypes
         return None
     # -march=native: a library built on one CPU may not run on another, so the CPU is in the key
     flags = [*_FLAGS, *extra_flags]
-    key = source.read_bytes() + " ".join(flags).encode() + _cpu_flags().encode()
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = source.read_bytes() + headers + " ".join(flags).encode() + _cpu_flags().encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{source.stem}-{digest}.so"
     if not target.is_file():

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <thread>
 #include <vector>
+
+#include "cpu_common.h"
 #include <algorithm>
 #include <utility>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -15,20 +17,7 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline void store(float* dst, float x) { *dst = x; }
-inline void store(uint16_t* dst, float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
-  *dst = static_cast<uint16_t>(u >> 16);
-}
+using namespace pagellm;
 
 struct Args {
   const void* q;

@@ -10,27 +10,18 @@
 // broadcast scalars read in place (fp32) or from a converted key tile (bf16), the softmax max,
 // exp and sum are lane-parallel, and no K^T packing is needed. Accumulation is fp32.
 //
-// The vector width is set at build time from the CPU (-march=native): 16 floats with AVX-512,
-// 8 otherwise. PAGELLM_VEC_WIDTH overrides it (tests build both widths on one machine; GCC
-// lowers a 16-wide vector to two 8-wide ones where AVX-512 is missing).
+// The vector width comes from the CPU at build time (cpu_common.h).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "cpu_common.h"
+
 namespace {
 
-#ifndef PAGELLM_VEC_WIDTH
-#if defined(__AVX512F__)
-#define PAGELLM_VEC_WIDTH 16
-#else
-#define PAGELLM_VEC_WIDTH 8
-#endif
-#endif
-
-constexpr int VW = PAGELLM_VEC_WIDTH;
-typedef float vf __attribute__((vector_size(VW * 4)));
+using namespace pagellm;
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
 
 // Register blocking, measured on a Zen 2/3 EPYC (AVX2, 16 registers): 2 vectors of rows x 6 keys
@@ -55,12 +46,6 @@ constexpr int NJ = PP_NQK;     // keys per QK micro-step (NJ * MV accumulators)
 constexpr int NP = PP_NPV;     // head dims per PV micro-step (NP * MV accumulators)
 
 inline vf splat(float x) { return vf{} + x; }
-inline vf loadv(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
 // e^x for x <= 0 (after subtracting a row max; -inf gives 0): 2^(x log2 e) = 2^n * 2^f with
@@ -84,20 +69,6 @@ inline vf vexp(vf x) {
   return p * scale;
 }
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline void store(float* dst, float x) { *dst = x; }
-inline void store(uint16_t* dst, float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
-  *dst = static_cast<uint16_t>(u >> 16);
-}
 
 struct Args {
   const void* q;

@@ -10,44 +10,19 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_common.h"
+
 namespace {
 
-#ifndef PAGELLM_VEC_WIDTH
-#if defined(__AVX512F__)
-#define PAGELLM_VEC_WIDTH 16
-#else
-#define PAGELLM_VEC_WIDTH 8
-#endif
-#endif
+using namespace pagellm;
+using pagellm::loadv;  // overloaded below for bf16
 
-constexpr int VW = PAGELLM_VEC_WIDTH;
-typedef float vf __attribute__((vector_size(VW * 4)));
-
-inline vf loadv(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline vf loadv(const uint16_t* p) {  // bf16 -> fp32: the bits move up 16 places
+inline vf loadv(const uint16_t* p) {  // bf16 -> fp32
   uint32_t bits[VW];
   for (int i = 0; i < VW; ++i) bits[i] = static_cast<uint32_t>(p[i]) << 16;
   vf v;
   std::memcpy(&v, bits, sizeof v);
   return v;
-}
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline void store(float* dst, float x) { *dst = x; }
-inline void store(uint16_t* dst, float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
-  *dst = static_cast<uint16_t>(u >> 16);
 }
 inline float hsum(vf v) {
   float s = 0.f;
