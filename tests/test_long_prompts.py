@@ -92,7 +92,10 @@ def test_long_prompts_under_preemption(hf, text_ids, length):
     recomputed, and both still match the reference."""
     prompts = [text_ids[:length], text_ids[length : 2 * length]]
     blocks = (3 * length) // (2 * 16)
-    llm = _engine(512, length + 64, num_gpu_blocks_override=blocks, enable_prefix_caching=False)
+    llm = _engine(  # no cut while the first decodes: the second grows until the cache is short
+        512, length + 64, num_gpu_blocks_override=blocks, enable_prefix_caching=False,
+        long_prefill_decode_budget=0,
+    )  # fmt: skip
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     assert llm.get_stats().num_preemptions > 0
     for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
