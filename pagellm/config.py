@@ -66,9 +66,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     """Split long prompts into chunks that share steps with decodes."""
     long_prefill_token_threshold: int | None = None
-    """A prompt longer than this many tokens is long (None: 4% of max_model_len, as vLLM
-    defaults it; 0: no prompt is long). In a step that also decodes other requests, a long
-    prompt's chunk is cut to --long-prefill-decode-budget; alone, it takes the whole budget."""
+    """A prompt longer than this many tokens is long (None: max_num_batched_tokens, a prompt
+    that needs more than one step; 0: no prompt is long). In a step that also decodes other
+    requests, a long prompt's chunk is cut to --long-prefill-decode-budget; alone, it takes the
+    whole budget."""
     max_num_partial_prefills: int = 1
     """Most requests whose prefill goes on past the step (partial prefills) in one step."""
     max_long_partial_prefills: int = 1

@@ -138,9 +138,9 @@ def test_long_prompts_wait_for_the_long_partial_limit():
     assert "long2" not in scheduled
 
 
-def test_policy_defaults_follow_vllm():
-    policy = ChunkPolicy.from_config(SchedulerConfig(), 8192, None)
-    assert policy.long_threshold == 327  # 4% of max_model_len
+def test_policy_defaults():
+    policy = ChunkPolicy.from_config(SchedulerConfig(), None)
+    assert policy.long_threshold == 2048  # the step's budget: a prompt needing several steps
     assert (policy.max_partial, policy.max_long_partial) == (1, 1)
     with pytest.raises(ValueError, match="max_num_partial_prefills"):
-        ChunkPolicy.from_config(SchedulerConfig(max_num_partial_prefills=0), 8192, None)
+        ChunkPolicy.from_config(SchedulerConfig(max_num_partial_prefills=0), None)

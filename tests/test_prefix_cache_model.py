@@ -78,9 +78,10 @@ def test_multi_turn_reuses_generated_tokens(tiny_models, hf, shared_prompts):
 
 def test_under_preemption_and_chunked_prefill(tiny_models, hf, shared_prompts):
     prompts, max_tokens = shared_prompts
-    llm = tiny_llm(
-        tiny_models, num_gpu_blocks_override=30, max_num_batched_tokens=48, max_model_len=200
-    )
+    llm = tiny_llm(  # no cut of long prompts while others decode: the cache must run short
+        tiny_models, num_gpu_blocks_override=30, max_num_batched_tokens=48, max_model_len=200,
+        long_prefill_decode_budget=0,
+    )  # fmt: skip
     llm.generate(prompts[:1], greedy([2]), use_tqdm=False)  # warm the cache
     outs = llm.generate(prompts, greedy(max_tokens), use_tqdm=False)
     stats = llm.get_stats()

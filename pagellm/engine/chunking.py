@@ -1,6 +1,7 @@
 """How much of each prompt a step computes: the long-prompt rules on top of the token budget.
 
-vLLM's knobs with vLLM's names: a prompt longer than ``long_prefill_token_threshold`` is long; at
+vLLM's knobs with vLLM's names: a prompt longer than ``long_prefill_token_threshold`` (by default
+the step's token budget: a prompt that needs more than one step) is long; at
 most ``max_num_partial_prefills`` requests (``max_long_partial_prefills`` of them long) may end a
 step with their prefill unfinished. pagellm adds one rule for the streams already decoding: in a
 step that also decodes other requests, a long prompt's chunk is cut to what
@@ -19,9 +20,6 @@ from dataclasses import dataclass
 from pagellm.config import SchedulerConfig
 from pagellm.engine.request import Request
 
-DEFAULT_LONG_FRACTION = 0.04
-"""vLLM's default long-prompt threshold: 4% of max_model_len."""
-
 
 @dataclass(frozen=True, slots=True)
 class ChunkPolicy:
@@ -35,12 +33,10 @@ class ChunkPolicy:
     chunked: bool
 
     @classmethod
-    def from_config(
-        cls, config: SchedulerConfig, max_model_len: int, crossover: float | None
-    ) -> ChunkPolicy:
+    def from_config(cls, config: SchedulerConfig, crossover: float | None) -> ChunkPolicy:
         threshold = config.long_prefill_token_threshold
-        if threshold is None:
-            threshold = max(1, int(DEFAULT_LONG_FRACTION * max_model_len))
+        if threshold is None:  # vLLM's 4% of max_model_len made ordinary chat prompts long
+            threshold = config.max_num_batched_tokens
         for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
             if getattr(config, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -102,9 +102,7 @@ class LLMEngine:
             config.cache.enable_prefix_caching,
             getattr(executor, "num_host_blocks", 0) if swap else 0,
         )
-        self.scheduler = Scheduler(
-            config.scheduler, self.kv_manager, clock, max_model_len, attention_crossover
-        )
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, clock, attention_crossover)
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, _Group] = {}
         self._rng = random.Random(config.model.seed)

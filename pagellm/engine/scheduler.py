@@ -29,11 +29,10 @@ class Scheduler:
         config: SchedulerConfig,
         kv_manager: KVCacheManager,
         clock: Callable[[], float],
-        max_model_len: int = 2048,
         attention_crossover: float | None = None,
     ) -> None:
         self.config = config
-        self.chunking = ChunkPolicy.from_config(config, max_model_len, attention_crossover)
+        self.chunking = ChunkPolicy.from_config(config, attention_crossover)
         self.kv = kv_manager
         self.clock = clock
         self.requests: dict[str, Request] = {}
