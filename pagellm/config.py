@@ -12,6 +12,7 @@ from typing import Any
 
 GIB = 1 << 30
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,11 @@ class ModelConfig:
     """Seed for requests that give none (each request still gets its own generator)."""
     tokenizer: str | None = None
     """Tokenizer directory when it differs from the model's."""
+    quantization: str | None = None
+    """How weights are kept (vLLM's names): auto/None (as the checkpoint is: a GGUF's Q8_0,
+    Q4_0 and Q4_1 tensors stay quantized), none (dequantize everything to --dtype at load),
+    gguf, int8 (per-channel W8A16) or int4 (grouped W4A16) quantizing a float checkpoint at
+    load (decoder linear layers; embeddings and LM head stay in --dtype)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from pagellm.runner.tokenizer import Tokenizer
 
 def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
     source = resolve_source(config.model.model)
-    files = open_model(source)
+    files = open_model(source, config.model.quantization)
     arch = files.arch
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)

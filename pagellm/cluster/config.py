@@ -21,11 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagellm.config import DEVICES, EngineConfig, flat_fields
+from pagellm.config import DEVICES, QUANTIZATION_METHODS, EngineConfig, flat_fields
 
 # vLLM engine arguments pagellm accepts only at the values that mean "nothing special".
 _VLLM_ONLY = {
-    "quantization": (None,),
     "kv_cache_dtype": ("auto", None),
     "trust_remote_code": (False, None),
 }
@@ -259,6 +258,11 @@ def _engine_args(values: Any, where: str) -> tuple[dict[str, Any], list[str]]:
         if key not in fields_by_name:
             raise ClusterConfigError(f"{where}: engine_args: unknown key {key!r}")
         _check_type(value, fields_by_name[key], f"{where}: engine_args.{key}")
+        if key == "quantization" and value is not None and value not in QUANTIZATION_METHODS:
+            raise ClusterConfigError(
+                f"{where}: engine_args.quantization={value!r} is not supported by pagellm "
+                f"(one of {', '.join(QUANTIZATION_METHODS)})"
+            )
         args[key] = value
     return args, notes
 

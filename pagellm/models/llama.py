@@ -22,10 +22,12 @@ from torch import nn
 
 from pagellm.layers.linear import Linear, pack_linears
 from pagellm.layers.norm import RMSNorm
+from pagellm.layers.quant_linear import QuantEmbedding, QuantLinear, QuantPart
 from pagellm.layers.rotary import RotaryEmbedding, inverse_frequencies
 from pagellm.models.arch import ModelArch
 from pagellm.parallel.comm import Collectives
 from pagellm.parallel.layout import Span
+from pagellm.quant.plan import QuantPlan
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -47,9 +49,33 @@ class VocabParallelEmbedding(nn.Module):
         return self.comm.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
 
 
+def make_linear(
+    in_features: int,
+    shards: list[tuple[str, int]],
+    bias: bool,
+    quant: QuantPlan | None,
+    full_in: int | None = None,
+) -> nn.Module:
+    """A plain ``Linear`` over the fused checkpoint tensors ``shards`` ((HF name, local rows)),
+    or a ``QuantLinear`` where ``quant`` keeps any of them quantized. ``full_in``: the
+    checkpoint's inputs when this rank holds a share of them (the form is the whole tensor's)."""
+    sizes = [rows for _, rows in shards]
+    whole = full_in or in_features
+    formats = [quant.format_for(name, whole) if quant else None for name, _ in shards]
+    if all(f is None for f in formats):
+        return Linear(in_features, sum(sizes), bias)
+    return QuantLinear(in_features, sizes, formats, bias)
+
+
 class Attention(nn.Module):
     def __init__(
-        self, arch: ModelArch, backend: Any, rotary: RotaryEmbedding, comm: Collectives
+        self,
+        arch: ModelArch,
+        backend: Any,
+        rotary: RotaryEmbedding,
+        comm: Collectives,
+        prefix: str = "model.layers.0.self_attn",
+        quant: QuantPlan | None = None,
     ) -> None:
         super().__init__()
         self.comm = comm
@@ -58,8 +84,12 @@ class Attention(nn.Module):
         self.head_dim = arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, arch.qkv_bias)
-        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
+        qkv = [(f"{prefix}.{n}_proj.weight", size) for n, size in
+               (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size))]  # fmt: skip
+        self.qkv_proj = make_linear(arch.hidden_size, qkv, arch.qkv_bias, quant)
+        o_name = f"{prefix}.o_proj.weight"
+        full = arch.num_heads * arch.head_dim
+        self.o_proj = make_linear(self.q_size, [(o_name, arch.hidden_size)], False, quant, full)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.rotary = rotary
@@ -79,12 +109,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, comm: Collectives) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        comm: Collectives,
+        prefix: str = "model.layers.0.mlp",
+        quant: QuantPlan | None = None,
+    ) -> None:
         super().__init__()
         self.comm = comm
         self.intermediate = comm.layout.split(arch.intermediate_size, "intermediate_size").count
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = Linear(self.intermediate, arch.hidden_size, bias=False)
+        gate_up = [(f"{prefix}.{n}_proj.weight", self.intermediate) for n in ("gate", "up")]
+        self.gate_up_proj = make_linear(arch.hidden_size, gate_up, False, quant)
+        down = [(f"{prefix}.down_proj.weight", arch.hidden_size)]
+        full = arch.intermediate_size
+        self.down_proj = make_linear(self.intermediate, down, False, quant, full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -93,13 +132,20 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, arch: ModelArch, backend: Any, rotary: RotaryEmbedding, comm: Collectives
+        self,
+        arch: ModelArch,
+        backend: Any,
+        rotary: RotaryEmbedding,
+        comm: Collectives,
+        index: int = 0,
+        quant: QuantPlan | None = None,
     ) -> None:
         super().__init__()
+        prefix = f"model.layers.{index}"
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, backend, rotary, comm)
+        self.self_attn = Attention(arch, backend, rotary, comm, f"{prefix}.self_attn", quant)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch, comm)
+        self.mlp = MLP(arch, comm, f"{prefix}.mlp", quant)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: Any, meta: Any):
         x = x + self.self_attn(self.input_layernorm(x), positions, cache, meta)
@@ -125,31 +171,46 @@ class LlamaForCausalLM(nn.Module):
         backend: Any,
         rope_freq_factors: Any = None,
         comm: Collectives | None = None,
+        quant: QuantPlan | None = None,
     ) -> None:
         super().__init__()
         self.arch = arch
+        self.quant = quant
         self.comm = comm or Collectives.single()
         layout = self.comm.layout
         self._rope_freq_factors = rope_freq_factors
         rotary = self._make_rotary()
         self.first_layer = layout.layers(arch.num_layers).start
         tied_here = arch.tie_word_embeddings and layout.is_last_stage
-        self.embed_tokens = (
-            VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, self.comm)
-            if layout.is_first_stage or tied_here
-            else None
-        )
+        self.embed_tokens = self._make_embedding() if layout.is_first_stage or tied_here else None
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, backend, rotary, self.comm)
-            for _ in range(layout.layers(arch.num_layers).count)
+            DecoderLayer(arch, backend, rotary, self.comm, self.first_layer + i, quant)
+            for i in range(layout.layers(arch.num_layers).count)
         )
         self.norm = self.lm_head = None
         if layout.is_last_stage:
             self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
             rows = layout.vocab(arch.vocab_size).count
-            self.lm_head = Linear(arch.hidden_size, rows, bias=False)
-            if arch.tie_word_embeddings:
+            if not arch.tie_word_embeddings:
+                head = [("lm_head.weight", rows)]
+                self.lm_head = make_linear(arch.hidden_size, head, False, quant)
+            elif isinstance(self.embed_tokens, QuantEmbedding):
+                self.lm_head = QuantLinear.over(self.embed_tokens.part)
+            else:
+                self.lm_head = Linear(arch.hidden_size, rows, bias=False)
                 self.lm_head.weight = self.embed_tokens.weight
+
+    def _make_embedding(self) -> nn.Module:
+        a, comm = self.arch, self.comm
+        fmt = (
+            self.quant.format_for("model.embed_tokens.weight", a.hidden_size)
+            if self.quant
+            else None
+        )
+        if fmt is None:
+            return VocabParallelEmbedding(a.vocab_size, a.hidden_size, comm)
+        rows = comm.layout.vocab(a.vocab_size)
+        return QuantEmbedding(rows.count, a.hidden_size, fmt, rows.start, comm)
 
     def _make_rotary(self) -> RotaryEmbedding:
         """Rotary tables are computed (float32, CPU), never loaded; also under a meta device."""
@@ -163,16 +224,18 @@ class LlamaForCausalLM(nn.Module):
     def finish_loading(self) -> None:
         """After ``to_empty`` + ``load_weights``: recompute float32 rotary tables, re-tie,
         zero the padding rows of a vocabulary split that does not divide evenly."""
-        rotary = self._make_rotary().to(next(self.parameters()).device)
+        first = next(self.parameters())
+        rotary = self._make_rotary().to(first.device)
         for layer in self.layers:
             layer.self_attn.rotary = rotary
-        if self.arch.tie_word_embeddings and self.lm_head is not None:
+        if isinstance(self.embed_tokens, QuantEmbedding):
+            self.embed_tokens.out_dtype = first.dtype
+        elif self.arch.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
         real = self._real_vocab_rows()
         for module in (self.embed_tokens, self.lm_head):
-            if module is not None and real < module.weight.shape[0]:
-                with torch.no_grad():
-                    module.weight[real:].zero_()
+            if module is not None:
+                _zero_rows_from(module, real)
         pack_linears(self)
 
     def forward(
@@ -203,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in (this rank's part of each); raises on unknown or
         missing parameters."""
-        params = dict(self.named_parameters(remove_duplicate=False))
+        params = self._load_targets()
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             name = self._local_name(hf_name.removeprefix("model."))
@@ -212,11 +275,28 @@ class LlamaForCausalLM(nn.Module):
             target, shard = _target(name)
             if target not in params:
                 raise ValueError(f"checkpoint has an unexpected tensor {hf_name!r}")
+            if isinstance(params[target], QuantLinear) and isinstance(tensor, torch.Tensor):
+                tensor = params[target].quantize_shard(shard, tensor)
             part = self._rank_part(target, shard, tensor)
             rows = self._real_vocab_rows() if target in _VOCAB_PARAMS else None
             _copy_into(params[target], part, shard, self._shard_sizes(target), rows)
             loaded.add(target if shard is None else f"{target}#{shard}")
         self._check_complete(params, loaded)
+
+    def _load_targets(self) -> dict[str, Any]:
+        """Checkpoint-named targets: parameters, and the quantized layers (``x.weight`` names
+        the layer, which loads its own parts)."""
+        quant = {
+            n: m for n, m in self.named_modules() if isinstance(m, QuantLinear | QuantEmbedding)
+        }
+        targets: dict[str, Any] = {}
+        for name, param in self.named_parameters(remove_duplicate=False):
+            owner = next((n for n in quant if name.startswith(f"{n}.")), None)
+            if owner is None or name == f"{owner}.bias":
+                targets[name] = param
+        for name, module in quant.items():
+            targets[f"{name}.weight"] = module
+        return targets
 
     def _local_name(self, name: str) -> str | None:
         """The parameter name on this rank, or None for a tensor this rank does not hold."""
@@ -292,13 +372,33 @@ def _target(name: str) -> tuple[str, int | None]:
     return name, None
 
 
+def _zero_rows_from(module: nn.Module, start: int) -> None:
+    """Rows of a vocabulary shard from ``start`` (padding) give zeros."""
+    part = module.part if isinstance(module, QuantEmbedding) else module
+    if isinstance(part, QuantLinear):
+        part = part.parts[0]
+    with torch.no_grad():
+        if isinstance(part, QuantPart):
+            part.zero_rows(start)
+        elif start < part.weight.shape[0]:
+            part.weight[start:].zero_()
+
+
 def _copy_into(
-    param: nn.Parameter,
-    tensor: torch.Tensor,
+    param: Any,
+    tensor: Any,
     shard: int | None,
     sizes: list[int],
     rows: int | None = None,
 ):
+    if isinstance(param, QuantLinear):
+        param.load_shard(shard, tensor)
+        return
+    if isinstance(param, QuantEmbedding):
+        param.part.load(0, tensor)
+        return
+    if not isinstance(tensor, torch.Tensor):  # a quantized tensor meeting a dense layer
+        tensor = tensor.dequantize()
     dst = param.data
     if shard is not None:
         offset = sum(sizes[:shard])

@@ -56,6 +56,7 @@ class ParallelExecutor:
                 microbatches=microbatches,
                 own_host=host,  # a Ray worker rank replaces it with its own node's address
                 device=device.type, device_index=rank, limits=limits,
+                quantization=files.quant.method,
             )
             for rank in range(1, world)
         ]  # fmt: skip
@@ -70,7 +71,7 @@ class ParallelExecutor:
             self.failed = exc
             self.shutdown()
             dead = self.ranks.start_failures()
-            if dead:
+            if dead and not isinstance(exc, ValueError):  # a bad setting: rank 0 says which
                 raise RankFailed(f"worker ranks failed to start: {', '.join(dead)}") from exc
             raise
         self.num_blocks = min(r.num_blocks for r in self.reports)

@@ -42,6 +42,8 @@ class WorkerSpec:
     """Which visible GPU this rank takes (its rank on one machine; 0 in a Ray actor, which
     sees only the GPU Ray gave it)."""
     limits: StepLimits = StepLimits()
+    quantization: str | None = None
+    """``--quantization`` as given (each rank resolves it against the same checkpoint)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +100,7 @@ def build_runner(spec: WorkerSpec):
     device = resolve_device(spec.device, spec.device_index)
     store = join_store(spec.store_host, spec.store_port, spec.layout.world_size, spec.timeout_s)
     comm = Collectives(spec.layout, store, spec.timeout_s, spec.own_host, device)
-    files = open_model(Path(spec.model_source))
+    files = open_model(Path(spec.model_source), spec.quantization)
     cls = runner_class(spec.worker_cls)
     dtype = resolve_dtype(spec.dtype, device)
     return cls(files, dtype, spec.cache, spec.swap, comm, spec.microbatches, device, spec.limits)

@@ -1,6 +1,7 @@
-"""Read a GGUF file into a Hugging Face-style config dict and HF-named float tensors.
+"""Read a GGUF file into a Hugging Face-style config dict and HF-named tensors.
 
-Quantized tensors (Q8_0, Q4_0, Q4_1, ...) are dequantized at load with the ``gguf`` package.
+Tensors the quantization plan keeps quantized (Q8_0, Q4_0, Q4_1) come out as
+``QuantizedWeight``; the others are dequantized at load with the ``gguf`` package.
 llama.cpp stores Q/K projections of llama models with rows permuted for its rotary layout; they
 are permuted back so that the weights match the Hugging Face checkpoint they came from.
 """
@@ -13,6 +14,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from pagellm.quant.formats import QuantizedWeight
+from pagellm.quant.gguf_blocks import from_blocks
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -94,7 +98,18 @@ class GGUFModel:
                 return torch.from_numpy(np.array(t.data, dtype=np.float32).reshape(-1))
         return None
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensor_types(self) -> dict[str, str]:
+        """HF tensor name -> GGUF type name (``Q4_1``, ``F32``, ...)."""
+        return {
+            name: t.tensor_type.name
+            for t in self.reader.tensors
+            if (name := _hf_name(t.name)) is not None
+        }
+
+    def tensors(
+        self, kept: set[str] | frozenset[str] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """Every tensor in HF naming: those named in ``kept`` as stored, the rest in float32."""
         import gguf
 
         heads = self.config["num_attention_heads"]
@@ -106,14 +121,15 @@ class GGUFModel:
             if hf_name is None:
                 raise ValueError(f"unexpected tensor {t.name!r} in {self.path}")
             shape = tuple(int(d) for d in reversed(t.shape))
-            data = gguf.quants.dequantize(t.data, t.tensor_type)
-            tensor = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(
-                shape
-            )  # writable copy
+            if hf_name in kept:
+                tensor = from_blocks(t.data, t.tensor_type.name, shape[0], shape[1])
+            else:
+                data = gguf.quants.dequantize(t.data, t.tensor_type)
+                tensor = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
             if self.arch == "llama" and t.name.endswith("attn_q.weight"):
-                tensor = _unpermute(tensor, heads)
+                tensor = _unpermute_rows(tensor, heads)
             elif self.arch == "llama" and t.name.endswith("attn_k.weight"):
-                tensor = _unpermute(tensor, kv_heads)
+                tensor = _unpermute_rows(tensor, kv_heads)
             yield hf_name, tensor
 
 
@@ -124,6 +140,16 @@ def _hf_name(name: str) -> str | None:
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
     return None
+
+
+def _unpermute_rows(
+    weight: torch.Tensor | QuantizedWeight, n_heads: int
+) -> torch.Tensor | QuantizedWeight:
+    """``_unpermute`` on a float tensor, or on every per-row tensor of a quantized one."""
+    if isinstance(weight, torch.Tensor):
+        return _unpermute(weight, n_heads)
+    parts = (None if t is None else _unpermute(t, n_heads).contiguous() for t in weight._tensors())
+    return QuantizedWeight(weight.fmt, *parts)
 
 
 def _unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:

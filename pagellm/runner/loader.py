@@ -13,6 +13,7 @@ from torch import nn
 from pagellm.fetch import require_default_model
 from pagellm.models.arch import ModelArch
 from pagellm.models.registry import resolve_model_class
+from pagellm.quant.plan import QuantPlan, resolve_plan
 
 
 def resolve_source(model: str | None) -> Path:
@@ -51,24 +52,29 @@ def _cpu_has_bf16() -> bool:
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """A model's location, shape, and its GGUF file opened once (None for an HF directory)."""
+    """A model's location, shape, its GGUF file opened once (None for an HF directory), and
+    which weights stay quantized (``--quantization`` resolved against the checkpoint)."""
 
     path: Path
     arch: ModelArch
     gguf: Any = None
+    quant: QuantPlan = QuantPlan()
 
 
-def open_model(source: Path) -> ModelFiles:
-    """Read the model's metadata (config.json or the GGUF header); weights are read later."""
+def open_model(source: Path, quantization: str | None = None) -> ModelFiles:
+    """Read the model's metadata (config.json or the GGUF header); weights are read later.
+    Raises ValueError when ``quantization`` does not fit the checkpoint."""
     if source.is_file():
         from pagellm.runner.gguf_loader import GGUFModel
 
         gguf_model = GGUFModel(source)
-        return ModelFiles(source, ModelArch.from_hf_config(gguf_model.config), gguf_model)
+        plan = resolve_plan(quantization, source, gguf_model.tensor_types())
+        return ModelFiles(source, ModelArch.from_hf_config(gguf_model.config), gguf_model, plan)
     config_file = source / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{source} has no config.json (expected an HF model directory)")
-    return ModelFiles(source, ModelArch.from_hf_config(json.loads(config_file.read_text())))
+    arch = ModelArch.from_hf_config(json.loads(config_file.read_text()))
+    return ModelFiles(source, arch, None, resolve_plan(quantization, source, None))
 
 
 def load_model(
@@ -83,10 +89,14 @@ def load_model(
     arch, gguf_model, source = files.arch, files.gguf, files.path
     cls = resolve_model_class(arch.architecture)
     freq_factors = gguf_model.rope_freq_factors() if gguf_model is not None else None
+    plan = files.quant if files.quant.quantized else None
     with torch.device("meta"):
-        model = cls(arch, backend, freq_factors, comm).to(dtype)
+        model = cls(arch, backend, freq_factors, comm, plan).to(dtype)
     model = model.to_empty(device=device)
-    weights = gguf_model.tensors() if gguf_model is not None else _safetensors(source)
+    if gguf_model is not None:
+        weights = gguf_model.tensors(frozenset(files.quant.gguf_types))
+    else:
+        weights = _safetensors(source)
     model.load_weights(weights)  # copy_ casts to the model's dtype
     model.finish_loading()
     return model.eval()

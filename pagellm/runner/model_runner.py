@@ -25,8 +25,10 @@ from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.config import GIB, CacheConfig, StepLimits
 from pagellm.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagellm.kernels.paged_attention import load_paged_decode_kernel, load_paged_prefill_kernel
+from pagellm.kernels.quant_linear import load_quant_linear_kernel
 from pagellm.kernels.skinny_linear import load_skinny_linear_kernel
 from pagellm.layers.linear import use_skinny_linears
+from pagellm.layers.quant_linear import quant_tensors, use_quant_kernel
 from pagellm.models.arch import ModelArch
 from pagellm.parallel.comm import Collectives
 from pagellm.runner.device import gpu_kv_budget
@@ -134,6 +136,7 @@ class ModelRunner:
         self.model = load_model(files, dtype, self.backend, comm, device)
         if device.type == "cpu":
             use_skinny_linears(self.model, load_skinny_linear_kernel())
+            use_quant_kernel(self.model, load_quant_linear_kernel())
         layers = layout.layers(arch.num_layers).count
         budget = None
         if device.type == "cuda" and cache.num_gpu_blocks_override is None:
@@ -190,8 +193,12 @@ class ModelRunner:
                 self.model.compute_logits(hidden[:sampled]).float()  # + the sampler's copy
 
     def memory_bytes(self) -> dict[str, int]:
-        """What this rank holds: its weights and its KV cache, in bytes."""
-        weights = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
+        """What this rank holds: its weights (quantized ones as stored) and its KV cache, in
+        bytes."""
+        weights = {p.data_ptr(): p.numel() * p.element_size() for p in quant_tensors(self.model)}
+        weights.update(
+            {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
+        )
         kv = sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer)
         return {"weights": sum(weights.values()), "kv_cache": kv}
 

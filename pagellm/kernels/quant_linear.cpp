@@ -1,0 +1,337 @@
+// Linear layers over weights kept quantized: 8-bit (signed) or 4-bit (unsigned, two per byte)
+// integers in groups along K, each group with a scale, a zero point and an optional offset:
+//
+//     w[n][k] = (q[n][k] - zero[n][g]) * scale[n][g] + offset[n][g]      g = k / group
+//
+// That one form holds every format pagellm loads: GGUF Q8_0 (zero 0) / Q4_0 (zero 8) / Q4_1
+// (offset = min), AWQ and GPTQ (integer zeros per group), symmetric int8/int4 (zero 0 / 8).
+// Scales and offsets are fp16 (as the checkpoints store them) or fp32; zeros are one byte per
+// group or one constant. A 4-bit row packs k = 2j in the low nibble of byte j, 2j + 1 in the high.
+//
+// quant_linear: y = x W^T (+ bias) for at most 32 rows of x (decode steps). The weights are
+// decoded in registers (never written out), RW output rows at a time against XB rows of x, and
+// the output features are split over torch's OpenMP pool: each thread streams its rows of W
+// once for every token, so a step reads 1 or 0.5 bytes per weight instead of 4.
+// quant_dequantize: rows [row0, row0 + rows) of W into fp32, for the large-batch path, which
+// decodes a panel that fits in cache and hands it to torch's GEMM (the decode is paid once for
+// all the rows of x), and for the tests' comparison with each format's reference.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <immintrin.h>
+
+#include "cpu_common.h"
+
+namespace {
+
+using namespace pagellm;
+
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+typedef int8_t vi8 __attribute__((vector_size(VW)));
+
+inline float half_to_float(uint16_t h) {
+  _Float16 f;
+  std::memcpy(&f, &h, 2);
+  return static_cast<float>(f);
+}
+
+struct Layout {
+  const uint8_t* q;        // [n][k * bits / 8]
+  const void* scales;      // [n][groups], fp16 or fp32
+  const void* offsets;     // [n][groups] like scales, or null
+  const uint8_t* zeros;    // [n][groups], or null (then zero_const)
+  int scale_half;          // 1: scales and offsets are fp16
+  int zero_const;
+  int bits;
+  int k;
+  int group;
+
+  int groups() const { return k / group; }
+  int64_t row_bytes() const { return static_cast<int64_t>(k) * bits / 8; }
+  float scale(int n, int g) const { return value(scales, n, g); }
+  float offset(int n, int g) const { return offsets ? value(offsets, n, g) : 0.f; }
+  int zero(int n, int g) const {
+    return zeros ? zeros[static_cast<int64_t>(n) * groups() + g] : zero_const;
+  }
+  float value(const void* p, int n, int g) const {
+    const int64_t i = static_cast<int64_t>(n) * groups() + g;
+    return scale_half ? half_to_float(static_cast<const uint16_t*>(p)[i])
+                      : static_cast<const float*>(p)[i];
+  }
+};
+
+#if defined(__AVX2__)
+// Eight integers from column c of a row, as floats.
+template <int BITS>
+inline __m256 decode8(const uint8_t* row, int c) {
+  __m256i v;
+  if constexpr (BITS == 8) {
+    v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
+  } else {  // 8 nibbles = one little-endian word, nibble i at bits 4i
+    uint32_t word;
+    std::memcpy(&word, row + c / 2, 4);
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts),
+                         _mm256_set1_epi32(15));
+  }
+  return _mm256_cvtepi32_ps(v);
+}
+#endif
+
+// VW integers of a row from column c (a multiple of VW), as floats. With AVX2 (which AVX-512
+// CPUs have too) eight at a time by the instructions; otherwise element by element.
+template <int BITS>
+inline vf decode(const uint8_t* row, int c) {
+  vf out;
+#if defined(__AVX2__)
+  static_assert(VW % 8 == 0, "vector width a multiple of 8");
+  for (int i = 0; i < VW; i += 8) {
+    const __m256 part = decode8<BITS>(row, c + i);
+    std::memcpy(reinterpret_cast<float*>(&out) + i, &part, sizeof part);
+  }
+#else
+  for (int i = 0; i < VW; ++i) {
+    const int x = BITS == 8 ? static_cast<int8_t>(row[c + i])
+                            : (row[(c + i) / 2] >> (4 * ((c + i) & 1))) & 15;
+    out[i] = static_cast<float>(x);
+  }
+#endif
+  return out;
+}
+
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < VW; ++i) s += v[i];
+  return s;
+}
+
+inline int nibble(const uint8_t* row, int c) { return (row[c / 2] >> (4 * (c & 1))) & 15; }
+
+// R rows of W (from n) against M rows of x (fp32, row stride k): acc_out[m * R + r].
+template <int BITS, int M, int R>
+void rows_block(const Layout& L, const float* xf, int n, float* acc_out) {
+  vf acc[M][R] = {};
+  const uint8_t* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = L.q + (n + r) * L.row_bytes();
+  const int groups = L.groups();
+  for (int g = 0; g < groups; ++g) {
+    vf s[R];
+    vf b[R];
+    for (int r = 0; r < R; ++r) {
+      const float sc = L.scale(n + r, g);
+      s[r] = vf{} + sc;
+      b[r] = vf{} + (L.offset(n + r, g) - static_cast<float>(L.zero(n + r, g)) * sc);
+    }
+    const int c1 = (g + 1) * L.group;
+    for (int c = g * L.group; c < c1; c += VW) {
+      vf wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = decode<BITS>(rows[r], c) * s[r] + b[r];
+      for (int m = 0; m < M; ++m) {
+        const vf xv = loadv(xf + static_cast<int64_t>(m) * L.k + c);
+        for (int r = 0; r < R; ++r) acc[m][r] += wv[r] * xv;
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc_out[m * R + r] = hsum(acc[m][r]);
+}
+
+// Rows [n, n + nrows) of W decoded to fp32 into buf[nrows][k].
+template <int BITS>
+void decode_rows(const Layout& L, int n, int nrows, float* buf) {
+  for (int r = 0; r < nrows; ++r) {
+    const uint8_t* row = L.q + (n + r) * L.row_bytes();
+    float* dst = buf + static_cast<int64_t>(r) * L.k;
+    for (int g = 0; g < L.groups(); ++g) {
+      const float sc = L.scale(n + r, g);
+      const vf s = vf{} + sc;
+      const vf b = vf{} + (L.offset(n + r, g) - static_cast<float>(L.zero(n + r, g)) * sc);
+      for (int c = g * L.group; c < (g + 1) * L.group; c += VW) storev(dst + c, decode<BITS>(row, c) * s + b);
+    }
+  }
+}
+
+// R decoded rows (buf, stride k) against M rows of x: acc_out[m * R + r].
+template <int M, int R>
+void decoded_block(const float* buf, const float* xf, int k, float* acc_out) {
+  vf acc[M][R] = {};
+  for (int c = 0; c < k; c += VW) {
+    vf wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = loadv(buf + static_cast<int64_t>(r) * k + c);
+    for (int m = 0; m < M; ++m) {
+      const vf xv = loadv(xf + static_cast<int64_t>(m) * k + c);
+      for (int r = 0; r < R; ++r) acc[m][r] += wv[r] * xv;
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc_out[m * R + r] = hsum(acc[m][r]);
+}
+
+#ifndef QL_RW
+#define QL_RW 4
+#endif
+#ifndef QL_XB
+#define QL_XB 2
+#endif
+constexpr int RW = QL_RW;
+constexpr int XB = QL_XB;
+constexpr int MAX_ROWS = 32;
+
+template <int BITS, int MB>
+void block_rows(const Layout& L, const float* xf, int n, int nrows, float* res) {
+  if (nrows == RW) {
+    rows_block<BITS, MB, RW>(L, xf, n, res);
+    return;
+  }
+  for (int r = 0; r < nrows; ++r) {
+    float part[MB];
+    rows_block<BITS, MB, 1>(L, xf, n + r, part);
+    for (int m = 0; m < MB; ++m) res[m * RW + r] = part[m];
+  }
+}
+
+template <int MB>
+void decoded_rows(const float* buf, const float* xf, int k, int nrows, float* res) {
+  if (nrows == RW) {
+    decoded_block<MB, RW>(buf, xf, k, res);
+    return;
+  }
+  for (int r = 0; r < nrows; ++r) {
+    float part[MB];
+    decoded_block<MB, 1>(buf + static_cast<int64_t>(r) * k, xf, k, part);
+    for (int m = 0; m < MB; ++m) res[m * RW + r] = part[m];
+  }
+}
+
+using DecodedFn = void (*)(const float*, const float*, int, int, float*);
+
+inline DecodedFn decoded_fn(int mb) {
+  switch (mb) {
+    case 1: return decoded_rows<1>;
+    case 2: return decoded_rows<2 <= XB ? 2 : 1>;
+    case 3: return decoded_rows<3 <= XB ? 3 : 1>;
+    default: return decoded_rows<XB>;
+  }
+}
+
+using BlockFn = void (*)(const Layout&, const float*, int, int, float*);
+
+template <int BITS>
+BlockFn block_fn(int mb) {
+  static_assert(XB >= 1 && XB <= 4, "x blocks of 1 to 4 rows");
+  switch (mb) {
+    case 1: return block_rows<BITS, 1>;
+    case 2: return block_rows<BITS, 2 <= XB ? 2 : 1>;
+    case 3: return block_rows<BITS, 3 <= XB ? 3 : 1>;
+    default: return block_rows<BITS, XB>;
+  }
+}
+
+// With up to FUSED_ROWS rows of x the weights are decoded in registers as they are used; with
+// more, each thread decodes its RW rows once into an L1-sized buffer and every block of x reads
+// them from there (decoding again for each block cost up to 2x at 8-32 rows).
+constexpr int FUSED_ROWS = XB;
+
+template <typename T, int BITS>
+void run(const Layout& L, const T* x, const T* bias, T* out, int m, int n_out, int threads) {
+  std::vector<float> xf(static_cast<size_t>(m) * L.k);
+  for (size_t i = 0; i < xf.size(); ++i) xf[i] = to_float(x[i]);
+  const int slices = (n_out + RW - 1) / RW;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> buf(m > FUSED_ROWS ? static_cast<size_t>(RW) * L.k : 0);
+#pragma omp for schedule(static)
+    for (int s = 0; s < slices; ++s) {
+      const int n = s * RW;
+      const int nrows = std::min(RW, n_out - n);
+      if (m > FUSED_ROWS) decode_rows<BITS>(L, n, nrows, buf.data());
+      for (int m0 = 0; m0 < m; m0 += XB) {
+        const int mb = std::min(XB, m - m0);
+        float res[XB * RW];
+        const float* xb = xf.data() + static_cast<size_t>(m0) * L.k;
+        if (m > FUSED_ROWS) {
+          decoded_fn(mb)(buf.data(), xb, L.k, nrows, res);
+        } else {
+          block_fn<BITS>(mb)(L, xb, n, nrows, res);
+        }
+        for (int r = 0; r < nrows; ++r) {
+          const float b0 = bias ? to_float(bias[n + r]) : 0.f;
+          for (int i = 0; i < mb; ++i)
+            store(out + static_cast<int64_t>(m0 + i) * n_out + n + r, res[i * RW + r] + b0);
+        }
+      }
+    }
+  }
+}
+
+int check(const Layout& L) {
+  if (L.bits != 4 && L.bits != 8) return 4;
+  if (L.group <= 0 || L.k % L.group != 0 || L.group % VW != 0) return 5;
+  return 0;
+}
+
+}  // namespace
+
+extern "C" int quant_linear(int dtype_code,  // 0 = float32, 1 = bfloat16 (x, bias, out)
+                            const void* x, const uint8_t* q, const void* scales,
+                            const void* offsets, const uint8_t* zeros, int scale_half,
+                            int zero_const, int bits, int group, const void* bias, void* out,
+                            int m, int n, int k, int num_threads) {
+  const Layout L{q, scales, offsets, zeros, scale_half, zero_const, bits, k, group};
+  if (const int rc = check(L)) return rc;
+  if (m < 1 || m > MAX_ROWS) return 3;
+  num_threads = std::max(1, num_threads);
+  if (dtype_code == 0) {
+    auto* xp = static_cast<const float*>(x);
+    auto* bp = static_cast<const float*>(bias);
+    auto* op = static_cast<float*>(out);
+    bits == 8 ? run<float, 8>(L, xp, bp, op, m, n, num_threads)
+              : run<float, 4>(L, xp, bp, op, m, n, num_threads);
+    return 0;
+  }
+  if (dtype_code == 1) {
+    auto* xp = static_cast<const uint16_t*>(x);
+    auto* bp = static_cast<const uint16_t*>(bias);
+    auto* op = static_cast<uint16_t*>(out);
+    bits == 8 ? run<uint16_t, 8>(L, xp, bp, op, m, n, num_threads)
+              : run<uint16_t, 4>(L, xp, bp, op, m, n, num_threads);
+    return 0;
+  }
+  return 2;
+}
+
+// Rows [row0, row0 + rows) of W as fp32 into out[rows][k]: (q - zero) * scale, then + offset
+// (two roundings, in the order the formats' reference dequantizations use: no FMA contraction).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+extern "C" int quant_dequantize(const uint8_t* q, const void* scales, const void* offsets,
+                                const uint8_t* zeros, int scale_half, int zero_const, int bits,
+                                int group, int row0, int rows, int k, float* out,
+                                int num_threads) {
+  const Layout L{q, scales, offsets, zeros, scale_half, zero_const, bits, k, group};
+  if (L.bits != 4 && L.bits != 8) return 4;
+  if (L.group <= 0 || L.k % L.group != 0) return 5;
+#pragma omp parallel for num_threads(std::max(1, num_threads)) schedule(static)
+  for (int r = 0; r < rows; ++r) {
+    const int n = row0 + r;
+    const uint8_t* row = L.q + n * L.row_bytes();
+    float* dst = out + static_cast<int64_t>(r) * k;
+    for (int g = 0; g < L.groups(); ++g) {
+      const float s = L.scale(n, g);
+      const float o = L.offset(n, g);
+      const int z = L.zero(n, g);
+      for (int c = g * group; c < (g + 1) * group; ++c) {
+        const int v = bits == 8 ? static_cast<int8_t>(row[c]) : nibble(row, c);
+        const float w = static_cast<float>(v - z) * s;
+        dst[c] = L.offsets ? w + o : w;
+      }
+    }
+  }
+  return 0;
+}
+#pragma GCC pop_options
+
+extern "C" int quant_linear_max_rows() { return MAX_ROWS; }

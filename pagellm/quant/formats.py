@@ -1,0 +1,130 @@
+"""The one stored form of a quantized weight, and its reference dequantization.
+
+Every format pagellm keeps quantized is held as integers in groups along the input dimension::
+
+    w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] + offset[n, g]      g = k // group_size
+
+``q`` is signed 8-bit, or unsigned 4-bit packed two to a byte (k = 2j in the low nibble of byte
+j). ``zero`` is one byte per group or a constant; ``offset`` is optional. GGUF Q8_0 is (8 bits,
+zero 0), Q4_0 (4 bits, zero 8), Q4_1 (4 bits, zero 0, offset = the block minimum); AWQ/GPTQ-style
+asymmetric int4 has per-group zeros. The reference dequantization multiplies, then adds: the
+order the formats' own reference code uses, so it is bit-exact with theirs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class QuantFormat:
+    """How one weight (or one shard of a fused weight) is stored."""
+
+    name: str
+    """What it came from, for logs and errors: ``gguf:Q4_1``, ``int8``, ``int4``."""
+    bits: int
+    group_size: int
+    """Inputs per group; 0 = one group per output row (per-channel scales)."""
+    scale_dtype: torch.dtype = torch.float32
+    """float16 (GGUF, AWQ, GPTQ store scales so) or float32."""
+    zero: int | None = 0
+    """Constant zero point, or None for one zero per group (stored)."""
+    offsets: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"{self.name}: {self.bits}-bit weights are not supported")
+        if self.scale_dtype not in (torch.float16, torch.float32):
+            raise ValueError(f"{self.name}: scales must be float16 or float32")
+
+    def groups(self, in_features: int) -> int:
+        group = self.group(in_features)
+        if in_features % group:
+            raise ValueError(
+                f"{self.name}: {in_features} inputs are not a whole number of groups of {group}"
+            )
+        return in_features // group
+
+    def group(self, in_features: int) -> int:
+        return self.group_size or in_features
+
+    def row_bytes(self, in_features: int) -> int:
+        return in_features * self.bits // 8
+
+
+@dataclass(slots=True)
+class QuantizedWeight:
+    """A quantized [out_features, in_features] weight in ``fmt``'s stored form."""
+
+    fmt: QuantFormat
+    q: torch.Tensor
+    """uint8 [out, in * bits / 8]."""
+    scales: torch.Tensor
+    """[out, groups] in ``fmt.scale_dtype``."""
+    zeros: torch.Tensor | None = None
+    """uint8 [out, groups] when ``fmt.zero`` is None."""
+    offsets: torch.Tensor | None = None
+    """[out, groups] like ``scales`` when ``fmt.offsets``."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1] * 8 // self.fmt.bits
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
+        """Rows (dim 0) or whole groups of inputs (dim 1) of this weight, as ``Tensor.narrow``."""
+        if dim == 0:
+            return QuantizedWeight(
+                self.fmt, *(_narrow(t, 0, start, length) for t in self._tensors())
+            )
+        if self.fmt.group_size == 0:  # one scale per row holds for any of its inputs
+            per_byte = 8 // self.fmt.bits
+            q = self.q.narrow(1, start // per_byte, length // per_byte)
+            return QuantizedWeight(self.fmt, q, self.scales, self.zeros, self.offsets)
+        group = self.fmt.group(self.shape[1])
+        if start % group or length % group:
+            raise ValueError(
+                f"{self.fmt.name}: inputs [{start}, {start + length}) of a weight quantized in "
+                f"groups of {group} cannot be split off (a shard must hold whole groups)"
+            )
+        per_byte = 8 // self.fmt.bits
+        q = self.q.narrow(1, start // per_byte, length // per_byte)
+        rest = (_narrow(t, 1, start // group, length // group) for t in self._tensors()[1:])
+        return QuantizedWeight(self.fmt, q, *rest)
+
+    def _tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return self.q, self.scales, self.zeros, self.offsets
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight, by the reference formula (multiply, then add the offset)."""
+        out_features, in_features = self.shape
+        group = self.fmt.group(in_features)
+        values = unpack(self.q, self.fmt.bits).to(torch.int32)
+        zeros = self.zeros if self.zeros is not None else None
+        if zeros is not None:
+            values = values - zeros.to(torch.int32).repeat_interleave(group, dim=1)
+        elif self.fmt.zero:
+            values = values - self.fmt.zero
+        w = values.to(torch.float32) * self.scales.float().repeat_interleave(group, dim=1)
+        if self.offsets is not None:
+            w = w + self.offsets.float().repeat_interleave(group, dim=1)
+        return w
+
+
+def _narrow(t: torch.Tensor | None, dim: int, start: int, length: int) -> torch.Tensor | None:
+    return None if t is None else t.narrow(dim, start, length)
+
+
+def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """[rows, k] integers in 0..15 -> uint8 [rows, k / 2], k = 2j in the low nibble of byte j."""
+    v = values.to(torch.uint8)
+    return (v[:, 0::2] | (v[:, 1::2] << 4)).contiguous()
+
+
+def unpack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """The stored integers: int8 for 8 bits, 0..15 (as uint8) for 4 bits, [rows, k]."""
+    if bits == 8:
+        return q.view(torch.int8)
+    low, high = q & 15, q >> 4
+    return torch.stack((low, high), dim=-1).reshape(q.shape[0], q.shape[1] * 2)

@@ -1,0 +1,228 @@
+"""Quantized weights: the stored form against each format's reference dequantization, the
+kernel against the dequantized matmul, and whole models kept quantized (GGUF Q8_0/Q4_0/Q4_1,
+online int8/int4) whose greedy outputs equal a float reference run on the dequantized weights,
+alone, batched, under preemption, chunked prefill, prefix caching and tensor parallelism."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from llm_helpers import MIXED_PROMPTS
+from reference import compare_greedy, hf_greedy
+
+from pagellm import LLM, SamplingParams
+from pagellm.kernels.quant_linear import load_quant_linear_kernel
+from pagellm.layers.quant_linear import QuantPart
+from pagellm.quant.formats import QuantFormat
+from pagellm.quant.gguf_blocks import from_blocks
+from pagellm.quant.online import int4_format, int8_format, quantize
+
+FORMATS = {
+    "int8": int8_format(),
+    "int4": QuantFormat("int4", bits=4, group_size=64, zero=None),
+    "q4_0": QuantFormat("q4_0", bits=4, group_size=32, scale_dtype=torch.float16, zero=8),
+    "q4_1": QuantFormat("q4_1", bits=4, group_size=32, scale_dtype=torch.float16, offsets=True),
+    "q8_0": QuantFormat("q8_0", bits=8, group_size=32, scale_dtype=torch.float16),
+}
+# small steps and a small cache: chunked prefill, prefix-cache hits and preemption all happen
+ENGINE = dict(dtype="float32", max_model_len=112, max_num_batched_tokens=32,
+              num_gpu_blocks_override=28, block_size=4)  # fmt: skip
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=[None, 16], ids=["native", "16-lanes"])
+def kernel(request):
+    k = load_quant_linear_kernel(request.param)
+    if k is None:
+        pytest.skip("no C++ compiler")
+    return k
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("rows", [1, 2, 5, 32, 33, 300])
+def test_kernel_matches_the_dequantized_matmul(kernel, name, rows):
+    torch.manual_seed(rows)
+    w = quantize(torch.randn(72, 192), FORMATS[name])
+    x = torch.randn(rows, 192)
+    ref = x @ w.dequantize().t()
+    torch.testing.assert_close(kernel(x, w), ref, rtol=1e-4, atol=1e-4)
+    xb = x.bfloat16()
+    ref_b = (xb.float() @ w.dequantize().t()).bfloat16()
+    torch.testing.assert_close(kernel(xb, w), ref_b, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_kernel_dequantization_is_the_reference_bit_for_bit(kernel, name):
+    w = quantize(torch.randn(40, 128) * 3, FORMATS[name])
+    assert torch.equal(kernel.dequantize(w, 8, 20), w.dequantize()[8:28])
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_dequantize_exactly_as_the_gguf_package(type_name):
+    qtype = gguf.GGMLQuantizationType[type_name]
+    data = np.random.default_rng(0).standard_normal((24, 96)).astype(np.float32)
+    raw = gguf.quants.quantize(data, qtype)
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    ours = from_blocks(raw, type_name, 24, 96)
+    assert ours.fmt.name == f"gguf:{type_name}"
+    assert torch.equal(ours.dequantize(), reference)
+    assert ours.q.numel() == 24 * 96 * ours.fmt.bits // 8  # kept at 8 or 4 bits a weight
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_online_quantization_error_is_within_half_a_step(name):
+    w = torch.randn(16, 256)
+    q = quantize(w, FORMATS[name])
+    step = q.scales.float().repeat_interleave(q.fmt.group(256), dim=1)
+    assert ((q.dequantize() - w).abs() <= step * 0.5 + 1e-5).all()
+
+
+def test_a_shard_of_inputs_keeps_whole_groups():
+    w = quantize(torch.randn(8, 256), int4_format(256))  # groups of 128
+    part = w.narrow(1, 128, 128)
+    assert torch.equal(part.dequantize(), w.dequantize()[:, 128:])
+    assert torch.equal(w.narrow(0, 2, 3).dequantize(), w.dequantize()[2:5])
+    with pytest.raises(ValueError, match="whole groups"):
+        w.narrow(1, 64, 128)
+
+
+def test_int4_picks_the_largest_group_that_divides_the_inputs():
+    assert int4_format(1536).group_size == 128
+    assert int4_format(576).group_size == 64
+    with pytest.raises(ValueError, match="int4"):
+        int4_format(100)
+
+
+# ----- whole models ------------------------------------------------------------------------
+
+
+def _dequantized_hf(model_dir, method: str):
+    """transformers' model with each decoder linear weight replaced by its ``method``
+    quantization, dequantized: the float model a quantized engine should agree with."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    fmt_for = {"int8": lambda k: int8_format(), "int4": int4_format}[method]
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".layers." in name:
+                w = module.weight
+                module.weight.copy_(quantize(w, fmt_for(w.shape[1])).dequantize())
+    return hf.eval()
+
+
+def _quant_parts(llm: LLM) -> list[QuantPart]:
+    return [m for m in llm.engine.executor.model.modules() if isinstance(m, QuantPart)]
+
+
+def _check_against(hf, llm: LLM, tokenizer_prompts: list[str]) -> None:
+    ids = [llm.tokenizer.encode(p) for p in tokenizer_prompts]
+    refs = [hf_greedy(hf, p, 16) for p in ids]
+    batched = llm.generate(tokenizer_prompts, GREEDY, use_tqdm=False)
+    alone = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in tokenizer_prompts]
+    for i, ref in enumerate(refs):
+        compare_greedy(batched[i].outputs[0].token_ids, ref, f"batched prompt {i}")
+        compare_greedy(alone[i].outputs[0].token_ids, ref, f"alone prompt {i}")
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_online_quantized_greedy_equals_the_dequantized_reference(tiny_models, method):
+    model = tiny_models("llama")
+    with LLM(str(model), quantization=method, **ENGINE) as llm:
+        parts = _quant_parts(llm)
+        assert len(parts) == 2 * 4  # two layers: qkv, o, gate/up, down (embeddings stay float)
+        assert {p.fmt.name for p in parts} == {method}
+        _check_against(_dequantized_hf(model, method), llm, MIXED_PROMPTS)
+        stats = llm.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0  # the hard paths ran
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_models, tmp_path_factory):
+    from test_gguf import write_gguf
+
+    path = tmp_path_factory.mktemp("qgguf") / "tiny-mixed.gguf"
+    write_gguf(tiny_models("llama"), path)  # Q8_0 / Q4_0 / Q4_1 / F16 tensors, mixed in Q/K/V
+    return path
+
+
+def test_gguf_is_kept_quantized_and_greedy_equals_transformers(tiny_gguf):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.float32
+    ).eval()
+    with LLM(str(tiny_gguf), **ENGINE) as llm:
+        names = {p.fmt.name for p in _quant_parts(llm)}
+        assert names == {"gguf:Q8_0", "gguf:Q4_0", "gguf:Q4_1"}
+        qkv = llm.engine.executor.model.layers[0].self_attn.qkv_proj
+        assert len(qkv.parts) == 3  # Q4_0 q, Q4_1 k, Q8_0 v: each kept in its own form
+        _check_against(hf, llm, MIXED_PROMPTS)
+        quantized = llm.engine.executor.memory_bytes()["weights"]
+    with LLM(str(tiny_gguf), quantization="none", **ENGINE) as dense:
+        assert not _quant_parts(dense)
+        assert quantized < 0.5 * dense.engine.executor.memory_bytes()["weights"]
+
+
+def test_tensor_parallel_quantized_equals_one_process(tiny_models):
+    """int8 per-channel: every rank quantizes the whole tensor, then keeps its share (the
+    grouped forms under TP run on the default model's Q4_1 in test_parallel's TP 3 test)."""
+    model = str(tiny_models("llama"))
+    outs = {}
+    for tp in (1, 2):
+        with LLM(model, quantization="int8", tensor_parallel_size=tp, **ENGINE) as llm:
+            res = llm.generate(MIXED_PROMPTS, GREEDY, use_tqdm=False)
+        outs[tp] = [o.outputs[0].token_ids for o in res]
+    assert outs[2] == outs[1]
+    # int4 groups of 64 over o_proj's 64 inputs: a rank's 32 would split a group
+    with pytest.raises(ValueError, match="not a whole number of groups of 64"):
+        LLM(model, quantization="int4", tensor_parallel_size=2, **ENGINE)
+
+
+def test_weight_bytes_shrink_with_the_format(tiny_models):
+    model = str(tiny_models("llama"))
+    per_weight, total = {}, {}
+    for method in ("none", "int8", "int4"):
+        with LLM(model, quantization=method, **ENGINE) as llm:
+            parts = _quant_parts(llm)
+            stored = sum(b.numel() * b.element_size() for p in parts for b in p.buffers())
+            weights = sum(p.in_features * p.out_features for p in parts)
+            per_weight[method] = stored / weights if parts else 4.0
+            total[method] = llm.engine.executor.memory_bytes()["weights"]
+    assert 1.0 < per_weight["int8"] < 1.1  # a byte, plus a float scale per row of 64-128
+    assert 0.5 < per_weight["int4"] < 0.6  # half a byte, plus a scale and zero per 64
+    assert total["int4"] < total["int8"] < total["none"]
+
+
+# ----- bad settings ------------------------------------------------------------------------
+
+
+def test_bad_quantization_settings_fail_at_start_up(tiny_models, tiny_gguf, tmp_path):
+    import json
+    import shutil
+
+    model = tiny_models("llama")
+    with pytest.raises(ValueError, match="--quantization 'awq' is not supported"):
+        LLM(str(model), quantization="awq", **ENGINE)
+    with pytest.raises(ValueError, match="needs a .gguf file"):
+        LLM(str(model), quantization="gguf", **ENGINE)
+    with pytest.raises(ValueError, match="already quantized"):
+        LLM(str(tiny_gguf), quantization="int8", **ENGINE)
+    awq = tmp_path / "awq"
+    shutil.copytree(model, awq)
+    config = json.loads((awq / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (awq / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized with 'awq'"):
+        LLM(str(awq), **ENGINE)
+
+
+def test_cluster_file_takes_quantization():
+    from pagellm.cluster.config import ClusterConfigError, parse_cluster_config
+
+    plan = parse_cluster_config({"engine_args": {"quantization": "int8"}}).plan()
+    assert plan["engine_args"]["model"]["quantization"] == "int8"
+    with pytest.raises(ClusterConfigError, match="quantization='awq'"):
+        parse_cluster_config({"engine_args": {"quantization": "awq"}})
