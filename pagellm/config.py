@@ -12,7 +12,7 @@ from typing import Any
 
 GIB = 1 << 30
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
+QUANTIZATION_METHODS = ("auto", "none", "gguf", "awq", "gptq", "compressed-tensors", "int8", "int4")
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,7 +50,7 @@ def test_the_plan_of_a_good_file():
         ({"replicas": 2}, "'replicas'"),
         ({"engine_args": {"max_num_seq": 64}}, "'max_num_seq'"),
         ({"engine_args": {"max_num_seqs": "many"}}, "engine_args.max_num_seqs"),
-        ({"engine_args": {"quantization": "awq"}}, "quantization"),
+        ({"engine_args": {"quantization": "fp4"}}, "quantization"),
         ({"engine_args": {"model": "/m"}}, "deployment_config"),
         ({"ray_config": {"num_replica": 2}}, "'num_replica'"),
         ({"ray_config": {"num_replicas": 3, "max_replicas": 2}}, "max_replicas"),

@@ -204,8 +204,8 @@ def test_bad_quantization_settings_fail_at_start_up(tiny_models, tiny_gguf, tmp_
     import shutil
 
     model = tiny_models("llama")
-    with pytest.raises(ValueError, match="--quantization 'awq' is not supported"):
-        LLM(str(model), quantization="awq", **ENGINE)
+    with pytest.raises(ValueError, match="--quantization 'fp4' is not supported"):
+        LLM(str(model), quantization="fp4", **ENGINE)
     with pytest.raises(ValueError, match="needs a .gguf file"):
         LLM(str(model), quantization="gguf", **ENGINE)
     with pytest.raises(ValueError, match="already quantized"):
@@ -213,9 +213,22 @@ def test_bad_quantization_settings_fail_at_start_up(tiny_models, tiny_gguf, tmp_
     awq = tmp_path / "awq"
     shutil.copytree(model, awq)
     config = json.loads((awq / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32}
     (awq / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quantized with 'awq'"):
+    with pytest.raises(ValueError, match="stored unquantized"):  # float weights, awq config
+        LLM(str(awq), **ENGINE)
+    with pytest.raises(ValueError, match="--quantization gptq contradicts"):
+        LLM(str(awq), quantization="gptq", **ENGINE)
+    with pytest.raises(ValueError, match="needs a checkpoint quantized so"):
+        LLM(str(model), quantization="awq", **ENGINE)
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8},
+                                "input_activations": {"num_bits": 8, "dynamic": True}}},
+    }  # fmt: skip
+    (awq / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized activations"):
         LLM(str(awq), **ENGINE)
 
 
@@ -224,5 +237,5 @@ def test_cluster_file_takes_quantization():
 
     plan = parse_cluster_config({"engine_args": {"quantization": "int8"}}).plan()
     assert plan["engine_args"]["model"]["quantization"] == "int8"
-    with pytest.raises(ClusterConfigError, match="quantization='awq'"):
-        parse_cluster_config({"engine_args": {"quantization": "awq"}})
+    with pytest.raises(ClusterConfigError, match="quantization='fp4'"):
+        parse_cluster_config({"engine_args": {"quantization": "fp4"}})

@@ -220,8 +220,7 @@ def _speed(llm, args) -> dict[str, Any]:
     try:
         for batch in (int(b) for b in args.batch_sizes.split(",")):
             prompts = [
-                [rng.randrange(1000, 30000) for _ in range(args.input_len)]
-                for _ in range(batch)
+                [rng.randrange(1000, 30000) for _ in range(args.input_len)] for _ in range(batch)
             ]
             llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
             timer.decode_s.clear()

@@ -39,10 +39,13 @@ class QuantPart(nn.Module):
         self.register_buffer("offset_bits", offsets)
         zeros = torch.empty(out_features, groups, dtype=torch.uint8) if fmt.zero is None else None
         self.register_buffer("zeros", zeros)
+        perm = torch.empty(in_features, dtype=torch.int64) if fmt.act_order else None
+        self.register_buffer("perm", perm)
         self.kernel = None
 
     def stored(self) -> QuantizedWeight:
-        """The buffers as a ``QuantizedWeight`` (views, no copies)."""
+        """The buffers as a ``QuantizedWeight`` (views, no copies) in their stored input order
+        (an act-order part permutes x instead)."""
         dtype = self.fmt.scale_dtype
         offsets = self.offset_bits.view(dtype) if self.offset_bits is not None else None
         return QuantizedWeight(self.fmt, self.q, self.scale_bits.view(dtype), self.zeros, offsets)
@@ -64,6 +67,11 @@ class QuantPart(nn.Module):
         for dst, src in zip(mine._tensors(), weight._tensors(), strict=True):
             if dst is not None:
                 dst.narrow(0, row0, rows).copy_(src)
+        if self.perm is not None:
+            order = weight.perm if weight.perm is not None else torch.arange(self.in_features)
+            if row0 > 0 and not torch.equal(order, self.perm):
+                raise ValueError(f"{self.fmt.name}: fused shards with different g_idx orders")
+            self.perm.copy_(order)
 
     def zero_rows(self, start: int) -> None:
         """Rows from ``start`` dequantize to zero (the padding of a vocabulary shard)."""
@@ -73,6 +81,8 @@ class QuantPart(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.stored()
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
         if self.kernel is not None and self.kernel.applies(x):
             return self.kernel(x, w)
         # no kernel (no compiler, or a GPU): the reference dequantization each call
@@ -100,7 +110,7 @@ class QuantLinear(nn.Module):
         self.shard_place: list[tuple[int, int]] = []  # shard -> (part index, first row in it)
         run_fmt: object = object()
         for size, fmt in zip(shard_sizes, formats, strict=True):
-            if parts and fmt == run_fmt:
+            if parts and fmt == run_fmt and not (fmt is not None and fmt.act_order):
                 self.shard_place.append((len(parts) - 1, parts[-1].out_features))
                 parts[-1] = _grown(parts[-1], in_features, size)
             else:

@@ -111,8 +111,9 @@ def _gptq(qc: dict[str, Any]) -> CheckpointQuant:
     if checkpoint_format not in ("gptq", "gptq_v2"):
         raise ValueError(f"gptq checkpoint_format {checkpoint_format!r} is not supported")
     act_order = bool(qc.get("desc_act", False))
-    name = "gptq-act-order" if act_order else "gptq"
-    fmt = QuantFormat(name, bits=4, group_size=group, scale_dtype=torch.float16, zero=None)
+    fmt = QuantFormat(
+        "gptq", bits=4, group_size=group, scale_dtype=torch.float16, zero=None, act_order=act_order
+    )
     offset = 1 if checkpoint_format == "gptq" else 0
     return CheckpointQuant("gptq", "gptq", fmt, (), offset, act_order)
 
@@ -136,11 +137,12 @@ def _compressed_tensors(qc: dict[str, Any]) -> CheckpointQuant:
     if strategy not in ("group", "channel"):
         raise ValueError(f"compressed-tensors weight strategy {strategy!r} is not supported")
     layout_name = str(qc.get("format", "")).lower()
-    if layout_name == "pack-quantized" and bits == 4:
-        fmt = QuantFormat(f"compressed-tensors:w4a16", bits=4, group_size=group, zero=8)
+    if layout_name == "pack-quantized" and bits in (4, 8):
+        zero = 8 if bits == 4 else 0
+        fmt = QuantFormat(f"compressed-tensors:w{bits}a16", bits=bits, group_size=group, zero=zero)
         layout = "ct-pack"
     elif layout_name in ("int-quantized", "naive-quantized") and bits == 8:
-        fmt = QuantFormat(f"compressed-tensors:w8a16", bits=8, group_size=group, zero=0)
+        fmt = QuantFormat("compressed-tensors:w8a16", bits=8, group_size=group, zero=0)
         layout = "ct-int"
     else:
         raise ValueError(
@@ -159,6 +161,11 @@ def assemble(
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         module, _, suffix = name.rpartition(".")
+        if suffix == "weight" and "weight" not in parts and plan.quantizes(name):
+            raise ValueError(
+                f"{name} is stored unquantized, but the checkpoint's quantization_config says "
+                f"{plan.method}"
+            )
         if suffix in parts + optional and plan.quantizes(f"{module}.weight"):
             got = pending.setdefault(module, {})
             got[suffix] = tensor
@@ -186,10 +193,11 @@ def _convert(t: dict[str, torch.Tensor], plan: CheckpointQuant) -> QuantizedWeig
     return ct_int_weight(t["weight"], t["weight_scale"], plan.fmt)
 
 
-def unpack_int32(words: torch.Tensor) -> torch.Tensor:
-    """int32 [rows, cols] -> the eight 4-bit values of each word (bits 4i first), [rows, 8 cols]."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    values = (words.to(torch.int32).unsqueeze(-1) >> shifts) & 15
+def unpack_int32(words: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """int32 [rows, cols] -> the 32 / bits values of each word (bits * i first), unsigned,
+    [rows, cols * 32 / bits]."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    values = (words.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     return values.reshape(words.shape[0], -1).to(torch.uint8)
 
 
@@ -232,22 +240,27 @@ def gptq_weight(
         if not torch.equal(g_idx[perm], contiguous):
             raise ValueError("gptq: g_idx does not give every group group_size inputs")
         q = q[:, perm]
-    weight = QuantizedWeight(
+    return QuantizedWeight(
         fmt,
         pack_nibbles(q),
         scales.to(torch.float16).t().contiguous(),
         zeros.to(torch.uint8).contiguous(),
+        None,
+        perm,
     )
-    weight.perm = perm
-    return weight
 
 
 def ct_packed_weight(
     packed: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat
 ) -> QuantizedWeight:
-    """compressed-tensors pack-quantized: int32 [out, in / 8], each value stored plus 8."""
-    q = unpack_int32(packed)
-    return QuantizedWeight(fmt, pack_nibbles(q), _ct_scales(scale, fmt, q.shape[1]))
+    """compressed-tensors pack-quantized: int32 [out, in * bits / 32], each value stored plus
+    2 ** (bits - 1) (4 bits: the +8 is our zero point; 8 bits: back to signed)."""
+    q = unpack_int32(packed, fmt.bits)
+    if fmt.bits == 8:
+        stored = (q.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
+    else:
+        stored = pack_nibbles(q)
+    return QuantizedWeight(fmt, stored.contiguous(), _ct_scales(scale, fmt, q.shape[1]))
 
 
 def ct_int_weight(weight: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat) -> QuantizedWeight:

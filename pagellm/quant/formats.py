@@ -32,6 +32,8 @@ class QuantFormat:
     zero: int | None = 0
     """Constant zero point, or None for one zero per group (stored)."""
     offsets: bool = False
+    act_order: bool = False
+    """The inputs are stored permuted (GPTQ ``desc_act``): the layer permutes x to match."""
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -67,6 +69,8 @@ class QuantizedWeight:
     """uint8 [out, groups] when ``fmt.zero`` is None."""
     offsets: torch.Tensor | None = None
     """[out, groups] like ``scales`` when ``fmt.offsets``."""
+    perm: torch.Tensor | None = None
+    """int64 [in]: stored input j is checkpoint input perm[j] (None: in order)."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -75,8 +79,12 @@ class QuantizedWeight:
     def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
         """Rows (dim 0) or whole groups of inputs (dim 1) of this weight, as ``Tensor.narrow``."""
         if dim == 0:
-            return QuantizedWeight(
-                self.fmt, *(_narrow(t, 0, start, length) for t in self._tensors())
+            rows = (_narrow(t, 0, start, length) for t in self._tensors())
+            return QuantizedWeight(self.fmt, *rows, self.perm)
+        if self.perm is not None:
+            raise ValueError(
+                f"{self.fmt.name}: a weight whose inputs are stored permuted (desc_act) cannot "
+                "be split over its inputs (tensor parallelism of o_proj/down_proj)"
             )
         if self.fmt.group_size == 0:  # one scale per row holds for any of its inputs
             per_byte = 8 // self.fmt.bits
@@ -97,7 +105,17 @@ class QuantizedWeight:
         return self.q, self.scales, self.zeros, self.offsets
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight, by the reference formula (multiply, then add the offset)."""
+        """The float32 weight in the checkpoint's input order, by the reference formula
+        (multiply, then add the offset)."""
+        w = self.dequantize_stored()
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
+
+    def dequantize_stored(self) -> torch.Tensor:
+        """The float32 weight in its stored input order."""
         out_features, in_features = self.shape
         group = self.fmt.group(in_features)
         values = unpack(self.q, self.fmt.bits).to(torch.int32)

@@ -1,11 +1,12 @@
 """Which weights of a checkpoint are kept quantized, and in which form: ``--quantization``.
 
-vLLM's names: ``auto`` (the checkpoint says: a GGUF file's quantized tensors stay quantized, a
-float checkpoint stays float), ``none`` (everything dequantized to the model dtype at load),
-``gguf`` (a GGUF file, kept quantized), ``int8`` / ``int4`` (a float checkpoint quantized at
-load: the decoder's linear layers; embeddings and the LM head stay in the model dtype, as vLLM
-and llm-compressor leave them). A checkpoint quantized in a format pagellm does not read
-(AWQ, GPTQ, compressed-tensors, ...) is refused at start-up with the format named.
+vLLM's names: ``auto`` (the checkpoint says: a GGUF file's quantized tensors stay quantized, an
+AWQ / GPTQ / compressed-tensors checkpoint is read as its ``quantization_config`` says, a float
+checkpoint stays float), ``none`` (a GGUF dequantized to the model dtype at load), ``gguf``,
+``awq``, ``gptq``, ``compressed-tensors`` (the checkpoint must be so), ``int8`` / ``int4`` (a
+float checkpoint quantized at load: the decoder's linear layers; embeddings and the LM head stay
+in the model dtype, as vLLM and llm-compressor leave them). A setting that contradicts the
+checkpoint, or a scheme pagellm does not read, is refused at start-up with both named.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagellm.config import QUANTIZATION_METHODS
+from pagellm.quant.checkpoints import CheckpointQuant, checkpoint_plan
 from pagellm.quant.formats import QuantFormat
 from pagellm.quant.gguf_blocks import kept_format
 from pagellm.quant.online import int4_format, int8_format
@@ -31,6 +33,8 @@ class QuantPlan:
     method: str = "none"
     gguf_types: dict[str, str] = field(default_factory=dict)
     """GGUF only: HF tensor name -> GGUF type name (``Q4_1``)."""
+    checkpoint: CheckpointQuant | None = None
+    """A quantized HF checkpoint's settings (AWQ, GPTQ, compressed-tensors)."""
 
     @property
     def quantized(self) -> bool:
@@ -43,6 +47,8 @@ class QuantPlan:
             return kept_format(type_name) if type_name else None
         if self.method in ("int8", "int4") and _is_decoder_linear(hf_name):
             return _ONLINE[self.method](in_features)
+        if self.checkpoint is not None and self.checkpoint.quantizes(hf_name):
+            return self.checkpoint.fmt
         return None
 
 
@@ -67,11 +73,23 @@ def resolve_plan(
         )
     if gguf_types is not None:
         return _gguf_plan(method, source, gguf_types)
-    checkpoint_method = _checkpoint_quantization(source)
-    if checkpoint_method is not None:
+    qc = _quantization_config(source)
+    if qc is not None:
+        checkpoint_method = str(qc.get("quant_method", "unknown")).lower()
+        if method not in ("auto", checkpoint_method):
+            raise ValueError(
+                f"--quantization {method} contradicts {source}'s quantization_config "
+                f"({checkpoint_method!r}): use --quantization auto or {checkpoint_method}"
+            )
+        try:
+            checkpoint = checkpoint_plan(qc)
+        except ValueError as exc:
+            raise ValueError(f"{source} is quantized with {checkpoint_method!r}: {exc}") from exc
+        return QuantPlan(checkpoint.method, checkpoint=checkpoint)
+    if method in _CHECKPOINT_METHODS:
         raise ValueError(
-            f"{source} is quantized with {checkpoint_method!r} (its quantization_config): "
-            f"pagellm loads GGUF files and float checkpoints (--quantization {method})"
+            f"--quantization {method} needs a checkpoint quantized so; {source} has no "
+            "quantization_config"
         )
     if method == "gguf":
         raise ValueError(f"--quantization gguf needs a .gguf file; {source} is a directory")
@@ -81,6 +99,8 @@ def resolve_plan(
 def _gguf_plan(method: str, source: Path, types: dict[str, str]) -> QuantPlan:
     kept = {name: t for name, t in types.items() if kept_format(t) is not None}
     quantized = sorted({t for t in types.values() if t not in ("F32", "F16", "BF16")})
+    if method in _CHECKPOINT_METHODS:
+        raise ValueError(f"--quantization {method} needs a {method} checkpoint, not a GGUF file")
     if method in ("int8", "int4"):
         if quantized:
             raise ValueError(
@@ -93,12 +113,11 @@ def _gguf_plan(method: str, source: Path, types: dict[str, str]) -> QuantPlan:
     return QuantPlan("gguf", kept)
 
 
-def _checkpoint_quantization(source: Path) -> str | None:
+_CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors")
+
+
+def _quantization_config(source: Path) -> dict | None:
     config_file = source / "config.json"
     if not config_file.is_file():
         return None
-    config = json.loads(config_file.read_text())
-    qc = config.get("quantization_config")
-    if not qc:
-        return None
-    return str(qc.get("quant_method") or qc.get("format") or "unknown")
+    return json.loads(config_file.read_text()).get("quantization_config") or None

@@ -95,6 +95,10 @@ def load_model(
     model = model.to_empty(device=device)
     if gguf_model is not None:
         weights = gguf_model.tensors(frozenset(files.quant.gguf_types))
+    elif files.quant.checkpoint is not None:
+        from pagellm.quant.checkpoints import assemble
+
+        weights = assemble(_safetensors(source), files.quant.checkpoint)
     else:
         weights = _safetensors(source)
     model.load_weights(weights)  # copy_ casts to the model's dtype
