@@ -41,6 +41,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--num-chats", type=int, default=64)
     p.add_argument("--skip-chats", type=int, default=1000, help="held out: chats from here on")
     p.add_argument("--max-reply-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="a prompt's last N tokens")
     p.add_argument("--agree-tokens", type=int, default=48)
     p.add_argument("--batch-sizes", default="1,8,32,256")
     p.add_argument("--input-len", type=int, default=32)
@@ -143,7 +144,7 @@ def _quality(llm, chats, args, reference_tokens) -> dict[str, Any]:
     prompts = []
     for user, reply in chats:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": user}])
-        prompt_ids = llm.tokenizer.encode(prompt)[-1024:]
+        prompt_ids = llm.tokenizer.encode(prompt)[-args.max_prompt_tokens :]
         reply_ids = llm.tokenizer.encode(reply)[: args.max_reply_tokens]
         prompts.append(prompt_ids)
         n, s = _reply_nll(llm, prompt_ids, reply_ids)

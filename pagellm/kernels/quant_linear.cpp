@@ -6,7 +6,9 @@
 // That one form holds every format pagellm loads: GGUF Q8_0 (zero 0) / Q4_0 (zero 8) / Q4_1
 // (offset = min), AWQ and GPTQ (integer zeros per group), symmetric int8/int4 (zero 0 / 8).
 // Scales and offsets are fp16 (as the checkpoints store them) or fp32; zeros are one byte per
-// group or one constant. A 4-bit row packs k = 2j in the low nibble of byte j, 2j + 1 in the high.
+// group or one constant. A 4-bit row is blocks of 32 inputs in 16 bytes, GGUF's order: byte j
+// of a block holds input j in its low nibble and input j + 16 in its high one, so eight inputs
+// are eight consecutive bytes, widened and shifted (not gathered from a word).
 //
 // quant_linear: y = x W^T (+ bias) for at most 32 rows of x (decode steps). The weights are
 // decoded in registers (never written out), RW output rows at a time against XB rows of x, and
@@ -69,6 +71,11 @@ struct Layout {
   }
 };
 
+// Input c of a 4-bit row (blocks of 32 in 16 bytes: j low, j + 16 high).
+inline int nibble(const uint8_t* row, int c) {
+  return (row[(c >> 5) * 16 + (c & 15)] >> ((c & 16) ? 4 : 0)) & 15;
+}
+
 #if defined(__AVX2__)
 // Eight integers from column c of a row, as floats.
 template <int BITS>
@@ -76,12 +83,11 @@ inline __m256 decode8(const uint8_t* row, int c) {
   __m256i v;
   if constexpr (BITS == 8) {
     v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
-  } else {  // 8 nibbles = one little-endian word, nibble i at bits 4i
-    uint32_t word;
-    std::memcpy(&word, row + c / 2, 4);
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts),
-                         _mm256_set1_epi32(15));
+  } else {  // inputs c..c+7 of a 32-input block: 8 bytes, low nibbles or high ones
+    const uint8_t* bytes = row + (c >> 5) * 16 + (c & 15);
+    v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+    if (c & 16) v = _mm256_srli_epi32(v, 4);
+    v = _mm256_and_si256(v, _mm256_set1_epi32(15));
   }
   return _mm256_cvtepi32_ps(v);
 }
@@ -99,11 +105,7 @@ inline vf decode(const uint8_t* row, int c) {
     std::memcpy(reinterpret_cast<float*>(&out) + i, &part, sizeof part);
   }
 #else
-  for (int i = 0; i < VW; ++i) {
-    const int x = BITS == 8 ? static_cast<int8_t>(row[c + i])
-                            : (row[(c + i) / 2] >> (4 * ((c + i) & 1))) & 15;
-    out[i] = static_cast<float>(x);
-  }
+  for (int i = 0; i < VW; ++i) out[i] = static_cast<float>(BITS == 8 ? static_cast<int8_t>(row[c + i]) : nibble(row, c + i));
 #endif
   return out;
 }
@@ -114,7 +116,6 @@ inline float hsum(vf v) {
   return s;
 }
 
-inline int nibble(const uint8_t* row, int c) { return (row[c / 2] >> (4 * (c & 1))) & 15; }
 
 // R rows of W (from n) against M rows of x (fp32, row stride k): acc_out[m * R + r].
 template <int BITS, int M, int R>
@@ -327,6 +328,7 @@ void run(const Layout& L, const T* x, const T* bias, T* out, int m, int n_out, i
 int check(const Layout& L) {
   if (L.bits != 4 && L.bits != 8) return 4;
   if (L.group <= 0 || L.k % L.group != 0 || L.group % VW != 0) return 5;
+  if (L.bits == 4 && L.k % 32 != 0) return 6;
   return 0;
 }
 

@@ -4,8 +4,8 @@ Every format pagellm keeps quantized is held as integers in groups along the inp
 
     w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] + offset[n, g]      g = k // group_size
 
-``q`` is signed 8-bit, or unsigned 4-bit packed two to a byte (k = 2j in the low nibble of byte
-j). ``zero`` is one byte per group or a constant; ``offset`` is optional. GGUF Q8_0 is (8 bits,
+``q`` is signed 8-bit, or unsigned 4-bit packed two to a byte in blocks of 32 inputs (GGUF's
+order: byte j of a block holds input j in its low nibble, input j + 16 in its high one). ``zero`` is one byte per group or a constant; ``offset`` is optional. GGUF Q8_0 is (8 bits,
 zero 0), Q4_0 (4 bits, zero 8), Q4_1 (4 bits, zero 0, offset = the block minimum); AWQ/GPTQ-style
 asymmetric int4 has per-group zeros. The reference dequantization multiplies, then adds: the
 order the formats' own reference code uses, so it is bit-exact with theirs.
@@ -86,6 +86,11 @@ class QuantizedWeight:
                 f"{self.fmt.name}: a weight whose inputs are stored permuted (desc_act) cannot "
                 "be split over its inputs (tensor parallelism of o_proj/down_proj)"
             )
+        if self.fmt.bits == 4 and (start % NIBBLE_BLOCK or length % NIBBLE_BLOCK):
+            raise ValueError(
+                f"{self.fmt.name}: inputs [{start}, {start + length}) cut a block of "
+                f"{NIBBLE_BLOCK} packed 4-bit inputs (a shard must hold whole blocks)"
+            )
         if self.fmt.group_size == 0:  # one scale per row holds for any of its inputs
             per_byte = 8 // self.fmt.bits
             q = self.q.narrow(1, start // per_byte, length // per_byte)
@@ -134,15 +139,24 @@ def _narrow(t: torch.Tensor | None, dim: int, start: int, length: int) -> torch.
     return None if t is None else t.narrow(dim, start, length)
 
 
+NIBBLE_BLOCK = 32
+"""4-bit rows are packed in blocks of this many inputs (16 bytes)."""
+
+
 def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
-    """[rows, k] integers in 0..15 -> uint8 [rows, k / 2], k = 2j in the low nibble of byte j."""
-    v = values.to(torch.uint8)
-    return (v[:, 0::2] | (v[:, 1::2] << 4)).contiguous()
+    """[rows, k] integers in 0..15 -> uint8 [rows, k / 2] in blocks of 32 inputs: byte j of a
+    block holds input j (low nibble) and j + 16 (high nibble)."""
+    rows, k = values.shape
+    if k % NIBBLE_BLOCK:
+        raise ValueError(f"4-bit weights need a multiple of {NIBBLE_BLOCK} inputs, not {k}")
+    v = values.to(torch.uint8).reshape(rows, k // NIBBLE_BLOCK, 2, NIBBLE_BLOCK // 2)
+    return (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(rows, k // 2).contiguous()
 
 
 def unpack(q: torch.Tensor, bits: int) -> torch.Tensor:
     """The stored integers: int8 for 8 bits, 0..15 (as uint8) for 4 bits, [rows, k]."""
     if bits == 8:
         return q.view(torch.int8)
-    low, high = q & 15, q >> 4
-    return torch.stack((low, high), dim=-1).reshape(q.shape[0], q.shape[1] * 2)
+    rows, half = q.shape
+    blocks = q.reshape(rows, half * 2 // NIBBLE_BLOCK, NIBBLE_BLOCK // 2)
+    return torch.stack((blocks & 15, blocks >> 4), dim=2).reshape(rows, half * 2)

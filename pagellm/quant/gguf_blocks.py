@@ -2,7 +2,8 @@
 
 Q8_0 (blocks of 32: fp16 d, 32 int8; w = d * q), Q4_0 (fp16 d, 16 bytes of nibbles; w = d * (q - 8))
 and Q4_1 (fp16 d, fp16 m, nibbles; w = d * q + m) keep their integers and fp16 scales; only the
-nibble order changes (GGUF puts element j and j + 16 of a block in one byte). Other types are
+layout changes (the scales move out of the blocks; the nibbles stay in GGUF's order, which is the
+stored form's). Other types are
 dequantized at load by the ``gguf`` package (``KEPT`` says which are kept).
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagellm.quant.formats import QuantFormat, QuantizedWeight, pack_nibbles
+from pagellm.quant.formats import QuantFormat, QuantizedWeight
 
 BLOCK = 32
 KEPT = {
@@ -42,6 +43,6 @@ def from_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Quanti
         packed = blocks[..., 4:]
     else:
         packed = blocks[..., 2:]
-    # GGUF: byte j of a block holds elements j (low nibble) and j + 16 (high nibble)
-    values = torch.cat((packed & 15, packed >> 4), dim=-1).reshape(rows, cols)
-    return QuantizedWeight(fmt, pack_nibbles(values), scales.clone(), None, offsets)
+    # GGUF's nibble order (byte j: elements j and j + 16) is the stored form's: kept as it is
+    q = packed.contiguous().reshape(rows, cols // 2)
+    return QuantizedWeight(fmt, q, scales.clone(), None, offsets)
