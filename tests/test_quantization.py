@@ -32,9 +32,13 @@ ENGINE = dict(dtype="float32", max_model_len=112, max_num_batched_tokens=32,
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=[None, 16], ids=["native", "16-lanes"])
+@pytest.fixture(
+    scope="module",
+    params=[(None, ()), (16, ()), (None, ("-mno-avx2",))],
+    ids=["native", "16-lanes", "portable"],
+)
 def kernel(request):
-    k = load_quant_linear_kernel(request.param)
+    k = load_quant_linear_kernel(*request.param)
     if k is None:
         pytest.skip("no C++ compiler")
     return k

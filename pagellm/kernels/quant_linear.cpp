@@ -105,7 +105,9 @@ inline vf decode(const uint8_t* row, int c) {
     std::memcpy(reinterpret_cast<float*>(&out) + i, &part, sizeof part);
   }
 #else
-  for (int i = 0; i < VW; ++i) out[i] = static_cast<float>(BITS == 8 ? static_cast<int8_t>(row[c + i]) : nibble(row, c + i));
+  for (int i = 0; i < VW; ++i) {
+    out[i] = static_cast<float>(BITS == 8 ? static_cast<int8_t>(row[c + i]) : nibble(row, c + i));
+  }
 #endif
   return out;
 }
@@ -115,7 +117,6 @@ inline float hsum(vf v) {
   for (int i = 0; i < VW; ++i) s += v[i];
   return s;
 }
-
 
 // R rows of W (from n) against M rows of x (fp32, row stride k): acc_out[m * R + r].
 template <int BITS, int M, int R>
@@ -325,6 +326,16 @@ void run(const Layout& L, const T* x, const T* bias, T* out, int m, int n_out, i
   }
 }
 
+// x, bias and out in T (float, or bf16 bits); the weights' width picks the decoder.
+template <typename T>
+void run_typed(const Layout& L, const void* x, const void* bias, void* out, int m, int n,
+               int threads) {
+  auto* xp = static_cast<const T*>(x);
+  auto* bp = static_cast<const T*>(bias);
+  auto* op = static_cast<T*>(out);
+  L.bits == 8 ? run<T, 8>(L, xp, bp, op, m, n, threads) : run<T, 4>(L, xp, bp, op, m, n, threads);
+}
+
 int check(const Layout& L) {
   if (L.bits != 4 && L.bits != 8) return 4;
   if (L.group <= 0 || L.k % L.group != 0 || L.group % VW != 0) return 5;
@@ -344,19 +355,11 @@ extern "C" int quant_linear(int dtype_code,  // 0 = float32, 1 = bfloat16 (x, bi
   if (m < 1 || m > MAX_ROWS) return 3;
   num_threads = std::max(1, num_threads);
   if (dtype_code == 0) {
-    auto* xp = static_cast<const float*>(x);
-    auto* bp = static_cast<const float*>(bias);
-    auto* op = static_cast<float*>(out);
-    bits == 8 ? run<float, 8>(L, xp, bp, op, m, n, num_threads)
-              : run<float, 4>(L, xp, bp, op, m, n, num_threads);
+    run_typed<float>(L, x, bias, out, m, n, num_threads);
     return 0;
   }
   if (dtype_code == 1) {
-    auto* xp = static_cast<const uint16_t*>(x);
-    auto* bp = static_cast<const uint16_t*>(bias);
-    auto* op = static_cast<uint16_t*>(out);
-    bits == 8 ? run<uint16_t, 8>(L, xp, bp, op, m, n, num_threads)
-              : run<uint16_t, 4>(L, xp, bp, op, m, n, num_threads);
+    run_typed<uint16_t>(L, x, bias, out, m, n, num_threads);
     return 0;
   }
   return 2;

@@ -113,9 +113,12 @@ def _layout(w: QuantizedWeight) -> tuple:
     )
 
 
-def load_quant_linear_kernel(vector_width: int | None = None) -> QuantLinearKernel | None:
-    """The kernel built for this CPU (``vector_width`` 8 or 16 forces the lanes: tests)."""
-    flags: tuple[str, ...] = ("-fopenmp",)
+def load_quant_linear_kernel(
+    vector_width: int | None = None, extra_flags: tuple[str, ...] = ()
+) -> QuantLinearKernel | None:
+    """The kernel built for this CPU (``vector_width`` 8 or 16 forces the lanes, ``extra_flags``
+    e.g. ``-mno-avx2`` the portable decoder: tests)."""
+    flags: tuple[str, ...] = ("-fopenmp", *extra_flags)
     if vector_width is not None:
         flags += (f"-DPAGELLM_VEC_WIDTH={vector_width}", "-Wno-psabi")
     lib = build_library("quant_linear.cpp", flags)
