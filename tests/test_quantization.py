@@ -13,6 +13,7 @@ from llm_helpers import MIXED_PROMPTS
 from reference import compare_greedy, hf_greedy
 
 from pagellm import LLM, SamplingParams
+from pagellm.fetch import require_default_model
 from pagellm.kernels.quant_linear import load_quant_linear_kernel
 from pagellm.layers.quant_linear import QuantPart
 from pagellm.quant.formats import QuantFormat
@@ -73,6 +74,27 @@ def test_gguf_blocks_dequantize_exactly_as_the_gguf_package(type_name):
     assert ours.fmt.name == f"gguf:{type_name}"
     assert torch.equal(ours.dequantize(), reference)
     assert ours.q.numel() == 24 * 96 * ours.fmt.bits // 8  # kept at 8 or 4 bits a weight
+
+
+@pytest.mark.parametrize(("type_name", "block_bytes"), [("Q4_K", 144), ("Q6_K", 210)])
+def test_k_quant_super_blocks_dequantize_exactly_as_the_gguf_package(
+    kernel, type_name, block_bytes
+):
+    """Random super-blocks (every bit pattern of scales, mins and values; finite fp16 d)."""
+    rng = np.random.default_rng(1)
+    rows, cols = 6, 512
+    blocks = rng.integers(0, 256, (rows * cols // 256, block_bytes), dtype=np.uint8)
+    halves = [(0, 2), (2, 4)] if type_name == "Q4_K" else [(208, 210)]
+    for a, b in halves:
+        d = (rng.standard_normal(blocks.shape[0]) * 0.01).astype(np.float16)
+        blocks[:, a:b] = d.view(np.uint8).reshape(-1, 2)
+    raw = blocks.reshape(rows, -1)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    ours = from_blocks(raw, type_name, rows, cols)
+    assert torch.equal(ours.dequantize(), reference)
+    x = torch.randn(3, cols)
+    torch.testing.assert_close(kernel(x, ours), x @ reference.t(), rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
@@ -243,3 +265,59 @@ def test_cluster_file_takes_quantization():
     assert plan["engine_args"]["model"]["quantization"] == "int8"
     with pytest.raises(ClusterConfigError, match="quantization='fp4'"):
         parse_cluster_config({"engine_args": {"quantization": "fp4"}})
+
+
+def _random_k_blocks(rng, rows: int, cols: int, type_name: str) -> np.ndarray:
+    """Raw super-blocks with random values, scales and mins, and small fp16 d / dmin."""
+    block_bytes = {"Q4_K": 144, "Q6_K": 210}[type_name]
+    blocks = rng.integers(0, 256, (rows * cols // 256, block_bytes), dtype=np.uint8)
+    d_at = [(0, 2), (2, 4)] if type_name == "Q4_K" else [(208, 210)]
+    for a, b in d_at:
+        d = (np.abs(rng.standard_normal(blocks.shape[0])) * 2e-3).astype(np.float16)
+        blocks[:, a:b] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def test_k_quant_gguf_is_kept_quantized_and_greedy_equals_transformers(tmp_path):
+    """A one-layer Llama of 256-wide layers written in Q4_K / Q6_K (llama.cpp's Q4_K_M mix)."""
+    import transformers
+    from test_gguf import _copy_tokenizer
+
+    Q = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(3)
+    path = tmp_path / "tiny-k.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(512)
+    writer.add_embedding_length(256)
+    writer.add_feed_forward_length(512)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(64)
+    _copy_tokenizer(writer)
+    vocab = len(gguf.GGUFReader(str(require_default_model())).fields["tokenizer.ggml.tokens"].data)
+    embed = (rng.standard_normal((vocab, 256)) * 0.5).astype(np.float32)
+    writer.add_tensor("token_embd.weight", gguf.quants.quantize(embed, Q.Q8_0), raw_dtype=Q.Q8_0)
+    shapes = {"attn_q": (256, 256, "Q4_K"), "attn_k": (128, 256, "Q4_K"),
+              "attn_v": (128, 256, "Q6_K"), "attn_output": (256, 256, "Q6_K"),
+              "ffn_gate": (512, 256, "Q4_K"), "ffn_up": (512, 256, "Q4_K"),
+              "ffn_down": (256, 512, "Q6_K")}  # fmt: skip
+    for kind, (rows, cols, type_name) in shapes.items():
+        raw = _random_k_blocks(rng, rows, cols, type_name)
+        writer.add_tensor(f"blk.0.{kind}.weight", raw, raw_dtype=Q[type_name])
+    for norm in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
+        writer.add_tensor(norm, np.ones(256, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    with LLM(str(path), **ENGINE) as llm:
+        names = {p.fmt.name for p in _quant_parts(llm)}
+        assert names == {"gguf:Q4_K", "gguf:Q6_K", "gguf:Q8_0"}
+        _check_against(hf, llm, MIXED_PROMPTS[:4])
