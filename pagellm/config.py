@@ -35,11 +35,11 @@ class ModelConfig:
     """Tokenizer directory when it differs from the model's."""
     quantization: str | None = None
     """How weights are kept (vLLM's names): auto/None (as the checkpoint is: a GGUF's Q8_0,
-    Q4_0, Q4_1, Q4_K and Q6_K tensors stay quantized, an AWQ / GPTQ / compressed-tensors checkpoint is read
-    as its quantization_config says), none (a GGUF dequantized to --dtype at load), gguf, awq,
-    gptq, compressed-tensors (the checkpoint must be so), int8 (per-channel W8A16) or int4
-    (grouped W4A16) quantizing a float checkpoint at load (decoder linear layers; embeddings
-    and LM head stay in --dtype)."""
+    Q4_0, Q4_1, Q4_K and Q6_K tensors stay quantized, an AWQ / GPTQ / compressed-tensors
+    checkpoint is read as its quantization_config says), none (a GGUF dequantized to --dtype
+    at load), gguf, awq, gptq, compressed-tensors (the checkpoint must be so), int8
+    (per-channel W8A16) or int4 (grouped W4A16) quantizing a float checkpoint at load (decoder
+    linear layers; embeddings and LM head stay in --dtype)."""
 
 
 @dataclass(frozen=True, slots=True)
