@@ -321,3 +321,16 @@ def test_k_quant_gguf_is_kept_quantized_and_greedy_equals_transformers(tmp_path)
         names = {p.fmt.name for p in _quant_parts(llm)}
         assert names == {"gguf:Q4_K", "gguf:Q6_K", "gguf:Q8_0"}
         _check_against(hf, llm, MIXED_PROMPTS[:4])
+
+
+def test_a_group_the_kernel_cannot_take_keeps_the_reference_path(kernel):
+    from torch import nn
+
+    from pagellm.layers.quant_linear import use_quant_kernel
+
+    part = QuantPart(40, 24, int8_format())  # one group of 40 inputs: not whole vectors
+    w = torch.randn(24, 40)
+    part.load(0, w)
+    assert use_quant_kernel(nn.Sequential(part), kernel) == 0
+    x = torch.randn(3, 40)
+    torch.testing.assert_close(part(x), x @ quantize(w, int8_format()).dequantize().t())

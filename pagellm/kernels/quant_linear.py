@@ -30,6 +30,12 @@ class QuantLinearKernel:
         self.max_rows = int(lib.quant_linear_max_rows())
         self._panel = torch.empty(0)
 
+    @staticmethod
+    def supports(group: int) -> bool:
+        """Whether a group of this many inputs is whole vectors at every width it builds for
+        (8 or 16 lanes); other layers keep the reference path."""
+        return group % 16 == 0
+
     def applies(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and x.dtype in _DTYPE_CODES and x.device.type == "cpu"
 

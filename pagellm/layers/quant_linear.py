@@ -198,8 +198,9 @@ def use_quant_kernel(model: nn.Module, kernel) -> int:
         return 0
     parts = {id(m): m for m in model.modules() if isinstance(m, QuantPart)}
     for part in parts.values():
-        part.kernel = kernel
-    return len(parts)
+        if kernel.supports(part.fmt.group(part.in_features)):
+            part.kernel = kernel
+    return sum(1 for p in parts.values() if p.kernel is not None)
 
 
 def quant_tensors(model: nn.Module) -> list[torch.Tensor]:
