@@ -71,8 +71,6 @@ class QuantLinearKernel:
         n, k = w.shape
         xf = x.float()
         rows = max(1, min(n, PANEL_BYTES // (4 * k)))
-        if self._panel.numel() < rows * k:
-            self._panel = torch.empty(rows * k, dtype=torch.float32)
         if rows == n:
             return torch.nn.functional.linear(xf, self.dequantize(w, 0, n)).to(x.dtype)
         out = torch.empty(x.shape[0], n, dtype=x.dtype)

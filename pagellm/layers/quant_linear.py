@@ -42,6 +42,11 @@ class QuantPart(nn.Module):
         perm = torch.empty(in_features, dtype=torch.int64) if fmt.act_order else None
         self.register_buffer("perm", perm)
         self.kernel = None
+        self._views: QuantizedWeight | None = None  # stored() for the step path, built once
+
+    def _apply(self, fn, recurse=True):  # to(), to_empty(): new buffers, new views
+        self._views = None
+        return super()._apply(fn, recurse)
 
     def stored(self) -> QuantizedWeight:
         """The buffers as a ``QuantizedWeight`` (views, no copies) in their stored input order
@@ -80,7 +85,9 @@ class QuantPart(nn.Module):
             self.offset_bits[start:].zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.stored()
+        if self._views is None:
+            self._views = self.stored()
+        w = self._views
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         if self.kernel is not None and self.kernel.applies(x):
