@@ -12,7 +12,10 @@ from typing import Any
 
 GIB = 1 << 30
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATION_METHODS = ("auto", "none", "gguf", "awq", "gptq", "compressed-tensors", "int8", "int4")
+QUANTIZATION_METHODS = (
+    "auto", "none", "gguf", "awq", "gptq", "compressed-tensors", "int8", "int4", "fp8"
+)  # fmt: skip
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +39,11 @@ class ModelConfig:
     quantization: str | None = None
     """How weights are kept (vLLM's names): auto/None (as the checkpoint is: a GGUF's Q8_0,
     Q4_0, Q4_1, Q4_K and Q6_K tensors stay quantized, an AWQ / GPTQ / compressed-tensors
-    checkpoint is read as its quantization_config says), none (a GGUF dequantized to --dtype
-    at load), gguf, awq, gptq, compressed-tensors (the checkpoint must be so), int8
-    (per-channel W8A16) or int4 (grouped W4A16) quantizing a float checkpoint at load (decoder
-    linear layers; embeddings and LM head stay in --dtype)."""
+    checkpoint is read as its quantization_config says; its W8A8 / FP8 schemes are served
+    weight-only, activations in --dtype), none (a GGUF dequantized to --dtype at load), gguf,
+    awq, gptq, compressed-tensors (the checkpoint must be so), int8 (per-channel W8A16), int4
+    (grouped W4A16) or fp8 (per-channel FP8 E4M3 weights, W8A16) quantizing a float checkpoint
+    at load (decoder linear layers; embeddings and LM head stay in --dtype)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +65,17 @@ class CacheConfig:
     """Exact number of host KV blocks for swapping (tests, experiments)."""
     enable_prefix_caching: bool = True
     """Reuse the KV of full blocks whose tokens (and all before them) were computed before."""
+    kv_cache_dtype: str = "auto"
+    """How K and V are stored: auto (the compute dtype), fp8 or fp8_e4m3 (FP8 E4M3: 3 mantissa
+    bits, up to 448), fp8_e5m2 (2 mantissa bits, up to 57344). FP8 takes one byte per value, half
+    of bf16 (a quarter of fp32): about twice the blocks in the same --kv-cache-memory. Each layer
+    stores K / k_scale and V / v_scale (--calculate-kv-scales, else the checkpoint's k_scale /
+    v_scale, else 1.0), rounded to nearest and saturated at the format's largest
+    value."""
+    calculate_kv_scales: bool = False
+    """With an FP8 KV cache: each layer's k_scale and v_scale from the first step that writes
+    its cache (max |K| / 200 and max |V| / 100, vLLM's rule) instead of the checkpoint's or
+    1.0."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,12 +1,13 @@
 """AWQ, GPTQ and compressed-tensors checkpoints of the tiny Llama, written in each format's
 on-disk layout (packed here as the formats specify; compressed-tensors packed by its own
-library): every quantized layer loads to exactly the weights the format defines, and greedy
-outputs equal transformers running those dequantized weights, under preemption, chunked
-prefill and prefix caching."""
+library, its FP8 / FP8_DYNAMIC / W8A8 presets with llm-compressor's config): every quantized
+layer loads to exactly the weights the format defines, and greedy outputs equal transformers
+running those dequantized weights, under preemption, chunked prefill and prefix caching."""
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -99,6 +100,46 @@ def _ct_w8_parts(w):
     return {"weight": q, "weight_scale": s}, q.float() * s.float()
 
 
+def _ct_preset_parts(w, preset: str):
+    """``w`` compressed by compressed-tensors' own compressor for ``preset``, with scales as
+    llm-compressor's observers set them (absmax per row or per tensor, in bf16); a static
+    activation scheme also gets its calibrated ``input_scale``."""
+    from compressed_tensors.compressors.naive_quantized.base import NaiveQuantizationCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    top = 127 if scheme.weights.type == "int" else 448
+    per_row = scheme.weights.strategy == "channel"
+    absmax = w.abs().amax(-1, keepdim=True) if per_row else w.abs().amax().reshape(1)
+    scale = (absmax / top).bfloat16()
+    parts = NaiveQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
+    if not scheme.input_activations.dynamic:
+        parts["input_scale"] = torch.tensor([0.05], dtype=torch.bfloat16)
+    return parts, parts["weight"].float() * parts["weight_scale"].float()
+
+
+def _ct_preset_config(preset: str, layout: str) -> dict:
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    qc = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        format=layout,
+        ignore=["lm_head"],
+        quantization_status="compressed",
+    )
+    return qc.to_dict()
+
+
+_PRESETS = {
+    "ct-fp8-dynamic": ("FP8_DYNAMIC", "float-quantized"),  # channel scales
+    "ct-fp8-static": ("FP8", "float-quantized"),  # one scale a tensor, static input_scale
+    "ct-w8a8": ("W8A8", "int-quantized"),
+}
+WEIGHT_ONLY = set(_PRESETS)
+"""Schemes that quantize activations too: served weight-only."""
+
+
 SCHEMES = {
     "awq": (_awq_parts, {"quant_method": "awq", "bits": 4, "group_size": GROUP,
                          "zero_point": True, "version": "gemm"}),
@@ -121,6 +162,18 @@ SCHEMES = {
                                                 "strategy": "channel"}}},
                   "ignore": ["lm_head"]}),
 }  # fmt: skip
+SCHEMES.update({
+    name: (lambda w, preset=preset: _ct_preset_parts(w, preset),
+           lambda preset=preset, layout=layout: _ct_preset_config(preset, layout))
+    for name, (preset, layout) in _PRESETS.items()
+})  # fmt: skip
+FORMAT_NAMES = {
+    "ct-w4a16": "compressed-tensors:w4a16",
+    "ct-w8a16": "compressed-tensors:w8a16",
+    "ct-w8a8": "compressed-tensors:w8a8",
+    "ct-fp8-dynamic": "compressed-tensors:fp8",
+    "ct-fp8-static": "compressed-tensors:fp8",
+}
 
 
 def _write(src: Path, dst: Path, scheme: str) -> dict[str, torch.Tensor]:
@@ -140,17 +193,18 @@ def _write(src: Path, dst: Path, scheme: str) -> dict[str, torch.Tensor]:
             out[name] = t
     save_file(out, str(file), metadata={"format": "pt"})
     config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = qconfig
+    config["quantization_config"] = qconfig() if callable(qconfig) else qconfig
     (dst / "config.json").write_text(json.dumps(config))
     return dequantized
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 def test_checkpoint_loads_exactly_and_greedy_equals_its_dequantized_weights(
-    tiny_models, tmp_path, scheme
+    tiny_models, tmp_path, caplog, scheme
 ):
     import transformers
 
+    caplog.set_level(logging.INFO, logger="pagellm.quant.plan")
     src = tiny_models("llama")
     dequantized = _write(src, tmp_path / scheme, scheme)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
@@ -160,8 +214,7 @@ def test_checkpoint_loads_exactly_and_greedy_equals_its_dequantized_weights(
     with LLM(str(tmp_path / scheme), **ENGINE) as llm:
         model = llm.engine.executor.model
         parts = [m for m in model.modules() if isinstance(m, QuantPart)]
-        expected = {"ct-w4a16": "compressed-tensors:w4a16", "ct-w8a16": "compressed-tensors:w8a16"}
-        assert {p.fmt.name for p in parts} == {expected.get(scheme, scheme.split("-")[0])}
+        assert {p.fmt.name for p in parts} == {FORMAT_NAMES.get(scheme, scheme.split("-")[0])}
         down = model.layers[1].mlp.down_proj.parts[0]
         ours = down.stored()
         ours.perm = down.perm
@@ -173,9 +226,49 @@ def test_checkpoint_loads_exactly_and_greedy_equals_its_dequantized_weights(
             compare_greedy(out.outputs[0].token_ids, ref, f"{scheme} prompt {i}")
         stats = llm.get_stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    said = "activations stay in --dtype" in caplog.text
+    assert said == (scheme in WEIGHT_ONLY)
 
 
 def test_act_order_gptq_cannot_split_its_inputs_over_ranks(tiny_models, tmp_path):
     _write(tiny_models("llama"), tmp_path / "g", "gptq-act-order")
     with pytest.raises(ValueError, match="desc_act"):
         LLM(str(tmp_path / "g"), tensor_parallel_size=2, **ENGINE)
+
+
+def test_fp8_checkpoint_weights_are_their_codes_times_their_scales(tiny_models, tmp_path):
+    """The stored bytes are the checkpoint's float8 bytes; a per-tensor scale is every row's."""
+    from pagellm.quant.checkpoints import assemble, checkpoint_plan
+
+    dst = tmp_path / "fp8"
+    _write(tiny_models("llama"), dst, "ct-fp8-static")
+    tensors = load_file(str(next(dst.glob("*.safetensors"))))
+    plan = checkpoint_plan(json.loads((dst / "config.json").read_text())["quantization_config"])
+    assert plan.per_tensor and plan.fmt.fp8 and plan.weight_only_note
+    out = dict(assemble(tensors.items(), plan))
+    name = "model.layers.0.self_attn.k_proj"
+    assert f"{name}.input_scale" in tensors
+    assert f"{name}.input_scale" not in out  # static activation scales are not read
+    w = out[f"{name}.weight"]
+    assert torch.equal(w.q, tensors[f"{name}.weight"].view(torch.uint8))
+    assert w.scales.shape == (w.shape[0], 1)
+    expected = tensors[f"{name}.weight"].float() * tensors[f"{name}.weight_scale"].float()
+    assert torch.equal(w.dequantize(), expected)
+
+
+def test_unreadable_fp8_weights_are_refused_naming_the_layer(tiny_models, tmp_path):
+    from pagellm.quant.checkpoints import assemble, checkpoint_plan
+
+    plan = checkpoint_plan(_ct_preset_config("FP8_DYNAMIC", "float-quantized"))
+    name = "model.layers.0.mlp.up_proj"
+    weight = torch.full((4, 32), 1.0).to(torch.float8_e4m3fn)
+    scale = torch.ones(4, 1)
+    nan = weight.clone()
+    nan.view(torch.uint8)[1, 2] = 0x7F
+    with pytest.raises(ValueError, match=f"{name}: .*1 weights are NaN"):
+        list(assemble([(f"{name}.weight", nan), (f"{name}.weight_scale", scale)], plan))
+    e5m2 = weight.to(torch.float8_e5m2)
+    with pytest.raises(ValueError, match="not float8_e4m3fn"):
+        list(assemble([(f"{name}.weight", e5m2), (f"{name}.weight_scale", scale)], plan))
+    with pytest.raises(ValueError, match="has 3 rows for 4 outputs"):
+        list(assemble([(f"{name}.weight", weight), (f"{name}.weight_scale", scale[:3])], plan))

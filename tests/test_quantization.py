@@ -1,7 +1,8 @@
 """Quantized weights: the stored form against each format's reference dequantization, the
 kernel against the dequantized matmul, and whole models kept quantized (GGUF Q8_0/Q4_0/Q4_1,
-online int8/int4) whose greedy outputs equal a float reference run on the dequantized weights,
-alone, batched, under preemption, chunked prefill, prefix caching and tensor parallelism."""
+online int8/int4/fp8) whose greedy outputs equal a float reference run on the dequantized
+weights, alone, batched, under preemption, chunked prefill, prefix caching and tensor
+parallelism."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from pagellm import LLM, SamplingParams
 from pagellm.fetch import require_default_model
 from pagellm.kernels.quant_linear import load_quant_linear_kernel
 from pagellm.layers.quant_linear import QuantPart
-from pagellm.quant.formats import QuantFormat
+from pagellm.quant.formats import QuantFormat, QuantizedWeight
 from pagellm.quant.gguf_blocks import from_blocks
-from pagellm.quant.online import int4_format, int8_format, quantize
+from pagellm.quant.online import fp8_format, int4_format, int8_format, quantize
 
 FORMATS = {
     "int8": int8_format(),
@@ -26,6 +27,14 @@ FORMATS = {
     "q4_0": QuantFormat("q4_0", bits=4, group_size=32, scale_dtype=torch.float16, zero=8),
     "q4_1": QuantFormat("q4_1", bits=4, group_size=32, scale_dtype=torch.float16, offsets=True),
     "q8_0": QuantFormat("q8_0", bits=8, group_size=32, scale_dtype=torch.float16),
+    "fp8": fp8_format(),
+    "fp8_g32": QuantFormat("fp8_g32", bits=8, group_size=32, kind="fp8_e4m3"),
+}
+INT_FORMATS = sorted(n for n, f in FORMATS.items() if not f.fp8)
+ONLINE_FORMATS = {
+    "int8": lambda k: int8_format(),
+    "int4": int4_format,
+    "fp8": lambda k: fp8_format(),
 }
 # small steps and a small cache: chunked prefill, prefix-cache hits and preemption all happen
 ENGINE = dict(dtype="float32", max_model_len=112, max_num_batched_tokens=32,
@@ -97,7 +106,58 @@ def test_k_quant_super_blocks_dequantize_exactly_as_the_gguf_package(
     torch.testing.assert_close(kernel(x, ours), x @ reference.t(), rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("name", sorted(FORMATS))
+def _every_fp8_code(rows: int, cols: int, fmt: QuantFormat) -> QuantizedWeight:
+    """Random E4M3 bytes (each of the 254 non-NaN codes: subnormals, zeros of both signs, +-448)
+    with random fp32 scales."""
+    gen = torch.Generator().manual_seed(rows * cols)
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]
+    q = torch.cat([codes, codes[torch.randint(0, len(codes), (rows * cols - 254,), generator=gen)]])
+    spread = torch.logspace(-4, 1, rows).unsqueeze(1)  # row scales from 1e-4 to 10
+    scales = (torch.rand(rows, fmt.groups(cols), generator=gen) + 0.05) * spread
+    return QuantizedWeight(fmt, q.reshape(rows, cols).contiguous(), scales.contiguous())
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8_g32"])
+def test_kernel_decodes_every_fp8_code_as_the_reference(kernel, name):
+    w = _every_fp8_code(40, 128, FORMATS[name])
+    ref = w.dequantize()
+    assert torch.equal(
+        ref,
+        w.q.view(torch.float8_e4m3fn).float()
+        * w.scales.repeat_interleave(FORMATS[name].group(128), dim=1),
+    )
+    assert torch.equal(kernel.dequantize(w, 0, 40), ref)
+    for rows in (1, 3, 33):
+        x = torch.randn(rows, 128)
+        torch.testing.assert_close(kernel(x, w), x @ ref.t(), rtol=1e-4, atol=1e-3)
+
+
+def test_online_fp8_is_per_channel_absmax_onto_448():
+    w = torch.randn(16, 256) * torch.logspace(-3, 1, 16).unsqueeze(1)
+    w[3] = 0.0  # a zero row keeps a finite scale
+    q = quantize(w, fp8_format())
+    scale = w.abs().amax(dim=1, keepdim=True) / 448
+    assert torch.equal(q.scales[torch.arange(16) != 3], scale[torch.arange(16) != 3])
+    codes = (w / q.scales).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(q.q, codes.view(torch.uint8))
+    assert q.q.view(torch.float8_e4m3fn).float().abs().amax() == 448  # the row maxima
+    # E4M3 keeps 3 mantissa bits: half a step is 1/16 of |w|, or half the smallest subnormal
+    err = (q.dequantize() - w).abs()
+    assert (err <= w.abs() * (1 / 16 + 1e-6) + q.scales * 2.0**-10).all()
+    assert torch.equal(q.dequantize()[3], torch.zeros(256))
+
+
+def test_fp8_formats_take_no_zero_points_or_offsets():
+    with pytest.raises(ValueError, match="fp8 weights are 8 bits"):
+        QuantFormat("bad", bits=4, group_size=32, kind="fp8_e4m3")
+    with pytest.raises(ValueError, match="fp8 weights are 8 bits"):
+        QuantFormat("bad", bits=8, group_size=32, zero=None, kind="fp8_e4m3")
+    with pytest.raises(ValueError, match="element kind"):
+        QuantFormat("bad", bits=8, group_size=0, kind="fp4")
+
+
+@pytest.mark.parametrize("name", INT_FORMATS)
 def test_online_quantization_error_is_within_half_a_step(name):
     w = torch.randn(16, 256)
     q = quantize(w, FORMATS[name])
@@ -130,7 +190,7 @@ def _dequantized_hf(model_dir, method: str):
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    fmt_for = {"int8": lambda k: int8_format(), "int4": int4_format}[method]
+    fmt_for = ONLINE_FORMATS[method]
     with torch.no_grad():
         for name, module in hf.named_modules():
             if isinstance(module, torch.nn.Linear) and ".layers." in name:
@@ -153,7 +213,7 @@ def _check_against(hf, llm: LLM, tokenizer_prompts: list[str]) -> None:
         compare_greedy(alone[i].outputs[0].token_ids, ref, f"alone prompt {i}")
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", sorted(ONLINE_FORMATS))
 def test_online_quantized_greedy_equals_the_dequantized_reference(tiny_models, method):
     model = tiny_models("llama")
     with LLM(str(model), quantization=method, **ENGINE) as llm:
@@ -192,25 +252,29 @@ def test_gguf_is_kept_quantized_and_greedy_equals_transformers(tiny_gguf):
         assert quantized < 0.5 * dense.engine.executor.memory_bytes()["weights"]
 
 
-def test_tensor_parallel_quantized_equals_one_process(tiny_models):
-    """int8 per-channel: every rank quantizes the whole tensor, then keeps its share (the
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_tensor_parallel_quantized_equals_one_process(tiny_models, method):
+    """Per-channel int8 / fp8: every rank quantizes the whole tensor, then keeps its share (the
     grouped forms under TP run on the default model's Q4_1 in test_parallel's TP 3 test)."""
     model = str(tiny_models("llama"))
     outs = {}
     for tp in (1, 2):
-        with LLM(model, quantization="int8", tensor_parallel_size=tp, **ENGINE) as llm:
+        with LLM(model, quantization=method, tensor_parallel_size=tp, **ENGINE) as llm:
             res = llm.generate(MIXED_PROMPTS, GREEDY, use_tqdm=False)
         outs[tp] = [o.outputs[0].token_ids for o in res]
     assert outs[2] == outs[1]
+
+
+def test_tensor_parallel_cannot_split_an_int4_group(tiny_models):
     # int4 groups of 64 over o_proj's 64 inputs: a rank's 32 would split a group
     with pytest.raises(ValueError, match="not a whole number of groups of 64"):
-        LLM(model, quantization="int4", tensor_parallel_size=2, **ENGINE)
+        LLM(str(tiny_models("llama")), quantization="int4", tensor_parallel_size=2, **ENGINE)
 
 
 def test_weight_bytes_shrink_with_the_format(tiny_models):
     model = str(tiny_models("llama"))
     per_weight, total = {}, {}
-    for method in ("none", "int8", "int4"):
+    for method in ("none", "int8", "int4", "fp8"):
         with LLM(model, quantization=method, **ENGINE) as llm:
             parts = _quant_parts(llm)
             stored = sum(b.numel() * b.element_size() for p in parts for b in p.buffers())
@@ -218,6 +282,7 @@ def test_weight_bytes_shrink_with_the_format(tiny_models):
             per_weight[method] = stored / weights if parts else 4.0
             total[method] = llm.engine.executor.memory_bytes()["weights"]
     assert 1.0 < per_weight["int8"] < 1.1  # a byte, plus a float scale per row of 64-128
+    assert per_weight["fp8"] == per_weight["int8"]
     assert 0.5 < per_weight["int4"] < 0.6  # half a byte, plus a scale and zero per 64
     assert total["int4"] < total["int8"] < total["none"]
 
@@ -234,8 +299,9 @@ def test_bad_quantization_settings_fail_at_start_up(tiny_models, tiny_gguf, tmp_
         LLM(str(model), quantization="fp4", **ENGINE)
     with pytest.raises(ValueError, match="needs a .gguf file"):
         LLM(str(model), quantization="gguf", **ENGINE)
-    with pytest.raises(ValueError, match="already quantized"):
-        LLM(str(tiny_gguf), quantization="int8", **ENGINE)
+    for method in ("int8", "fp8"):
+        with pytest.raises(ValueError, match=f"--quantization {method} quantizes a float"):
+            LLM(str(tiny_gguf), quantization=method, **ENGINE)
     awq = tmp_path / "awq"
     shutil.copytree(model, awq)
     config = json.loads((awq / "config.json").read_text())
@@ -247,15 +313,25 @@ def test_bad_quantization_settings_fail_at_start_up(tiny_models, tiny_gguf, tmp_
         LLM(str(awq), quantization="gptq", **ENGINE)
     with pytest.raises(ValueError, match="needs a checkpoint quantized so"):
         LLM(str(model), quantization="awq", **ENGINE)
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors",
-        "format": "int-quantized",
-        "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8},
-                                "input_activations": {"num_bits": 8, "dynamic": True}}},
-    }  # fmt: skip
-    (awq / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quantized activations"):
-        LLM(str(awq), **ENGINE)
+    refused = [("FP8_BLOCK", "float-quantized", "strategy 'block'"),
+               ("W4A4", "pack-quantized", "4-bit activations"),
+               ("NVFP4A16", "nvfp4-pack-quantized", "4-bit float weights")]  # fmt: skip
+    for scheme, layout, refusal in refused:
+        config["quantization_config"] = _ct_config(scheme, layout)
+        (awq / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=f"quantized with 'compressed-tensors': .*{refusal}"):
+            LLM(str(awq), **ENGINE)
+        with pytest.raises(ValueError, match="--quantization fp8 contradicts"):
+            LLM(str(awq), quantization="fp8", **ENGINE)
+
+
+def _ct_config(preset: str, layout: str) -> dict:
+    """compressed-tensors' own quantization_config for one of its preset schemes."""
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    qc = QuantizationConfig(config_groups={"group_0": scheme}, format=layout, ignore=["lm_head"])
+    return qc.to_dict()
 
 
 def test_cluster_file_takes_quantization():

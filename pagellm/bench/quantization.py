@@ -7,8 +7,8 @@ and greedy agreement with the float32 model over ``--agree-tokens`` tokens of ea
 start). Speed (``--what speed``): decode ms/step at each batch size (random prompts, greedy, EOS
 ignored; only steps that decode every sequence are timed) and output tok/s, plus weight bytes.
 
-Formats are ``fp32`` / ``bf16`` (dense), ``int8`` / ``int4`` (quantized at load from the float
-checkpoint) and ``gguf`` (the GGUF file kept quantized, fp32 activations). A GGUF model is
+Formats are ``fp32`` / ``bf16`` (dense), ``int8`` / ``int4`` / ``fp8`` (quantized at load from
+the float checkpoint; fp8 is per-channel E4M3 weights with fp32 activations) and ``gguf`` (the GGUF file kept quantized, fp32 activations). A GGUF model is
 written out once as a float32 HF folder for the dense and online formats.
 """
 
@@ -29,6 +29,7 @@ FORMATS = {
     "bf16": ("bfloat16", "none"),
     "int8": ("float32", "int8"),
     "int4": ("float32", "int4"),
+    "fp8": ("float32", "fp8"),
     "gguf": ("float32", "auto"),
 }
 
@@ -36,7 +37,7 @@ FORMATS = {
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("quantization", help="quality and speed of each weight format")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded)")
-    p.add_argument("--formats", default="fp32,bf16,int8,int4,gguf")
+    p.add_argument("--formats", default="fp32,bf16,int8,int4,fp8,gguf")
     p.add_argument("--what", default="quality,speed")
     p.add_argument("--num-chats", type=int, default=64)
     p.add_argument("--skip-chats", type=int, default=1000, help="held out: chats from here on")

@@ -5,6 +5,13 @@
 //
 // That one form holds every format pagellm loads: GGUF Q8_0 (zero 0) / Q4_0 (zero 8) / Q4_1
 // (offset = min), AWQ and GPTQ (integer zeros per group), symmetric int8/int4 (zero 0 / 8).
+// FP8 weights are the same form with float codes: each byte an E4M3 (float8_e4m3fn) value,
+// zero 0, no offset. A byte's fp16 bits are the byte with its exponent and mantissa moved up 3
+// places (and the sign up 8): E4M3's exponent bias is 7, fp16's 15, so that half is the value
+// times 2^-8 exactly, subnormals included. The decoders produce value / 256 (F16C converts
+// eight at a time) and the 256 is folded into every scale; (value / 256) * (scale * 256)
+// rounds once, as value * scale does. The NaN codes 0x7F / 0xFF decode as +-480: loaders
+// refuse them.
 // Scales and offsets are fp16 (as the checkpoints store them) or fp32; zeros are one byte per
 // group or one constant. A 4-bit row is blocks of 32 inputs in 16 bytes, GGUF's order: byte j
 // of a block holds input j in its low nibble and input j + 16 in its high one, so eight inputs
@@ -46,6 +53,25 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
+// What a weight byte codes: the decoders' template parameter.
+enum Code { INT4, INT8, FP8_E4M3 };
+
+constexpr float FP8_SCALE = 256.f;  // fp8 decoders give value / 256; scales carry the 256
+
+// An E4M3 byte's value / 256 as fp16 bits.
+inline uint16_t fp8_half_bits(uint8_t b) {
+  return static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7F) << 7));
+}
+
+// value / 256 of every E4M3 byte, built once when the library loads (the portable decoder).
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) v[b] = half_to_float(fp8_half_bits(static_cast<uint8_t>(b)));
+  }
+};
+const Fp8Table kFp8;
+
 struct Layout {
   const uint8_t* q;        // [n][k * bits / 8]
   const void* scales;      // [n][groups], fp16 or fp32
@@ -54,12 +80,17 @@ struct Layout {
   int scale_half;          // 1: scales and offsets are fp16
   int zero_const;
   int bits;
+  int fp8;                 // 1: the bytes are E4M3 codes (bits 8, zero 0, no offsets)
   int k;
   int group;
 
   int groups() const { return k / group; }
   int64_t row_bytes() const { return static_cast<int64_t>(k) * bits / 8; }
-  float scale(int n, int g) const { return value(scales, n, g); }
+  // The decoders' scale: an fp8 decoder's values are a 256th of the codes'.
+  float scale(int n, int g) const {
+    const float s = value(scales, n, g);
+    return fp8 ? s * FP8_SCALE : s;
+  }
   float offset(int n, int g) const { return offsets ? value(offsets, n, g) : 0.f; }
   int zero(int n, int g) const {
     return zeros ? zeros[static_cast<int64_t>(n) * groups() + g] : zero_const;
@@ -76,12 +107,26 @@ inline int nibble(const uint8_t* row, int c) {
   return (row[(c >> 5) * 16 + (c & 15)] >> ((c & 16) ? 4 : 0)) & 15;
 }
 
-#if defined(__AVX2__)
-// Eight integers from column c of a row, as floats.
-template <int BITS>
+template <Code C>
+inline float decode1(const uint8_t* row, int c) {
+  if constexpr (C == INT8) return static_cast<float>(static_cast<int8_t>(row[c]));
+  if constexpr (C == INT4) return static_cast<float>(nibble(row, c));
+  return kFp8.v[row[c]];
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+#define QL_AVX2_DECODE 1
+// Eight codes from column c of a row, as floats (fp8: value / 256).
+template <Code C>
 inline __m256 decode8(const uint8_t* row, int c) {
+  if constexpr (C == FP8_E4M3) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+    const __m128i rest = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
+    return _mm256_cvtph_ps(_mm_or_si128(sign, rest));
+  }
   __m256i v;
-  if constexpr (BITS == 8) {
+  if constexpr (C == INT8) {
     v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
   } else {  // inputs c..c+7 of a 32-input block: 8 bytes, low nibbles or high ones
     const uint8_t* bytes = row + (c >> 5) * 16 + (c & 15);
@@ -93,21 +138,19 @@ inline __m256 decode8(const uint8_t* row, int c) {
 }
 #endif
 
-// VW integers of a row from column c (a multiple of VW), as floats. With AVX2 (which AVX-512
-// CPUs have too) eight at a time by the instructions; otherwise element by element.
-template <int BITS>
+// VW codes of a row from column c (a multiple of VW), as floats. With AVX2 and F16C (which
+// AVX-512 CPUs have too) eight at a time by the instructions; otherwise element by element.
+template <Code C>
 inline vf decode(const uint8_t* row, int c) {
   vf out;
-#if defined(__AVX2__)
+#if defined(QL_AVX2_DECODE)
   static_assert(VW % 8 == 0, "vector width a multiple of 8");
   for (int i = 0; i < VW; i += 8) {
-    const __m256 part = decode8<BITS>(row, c + i);
+    const __m256 part = decode8<C>(row, c + i);
     std::memcpy(reinterpret_cast<float*>(&out) + i, &part, sizeof part);
   }
 #else
-  for (int i = 0; i < VW; ++i) {
-    out[i] = static_cast<float>(BITS == 8 ? static_cast<int8_t>(row[c + i]) : nibble(row, c + i));
-  }
+  for (int i = 0; i < VW; ++i) out[i] = decode1<C>(row, c + i);
 #endif
   return out;
 }
@@ -119,7 +162,7 @@ inline float hsum(vf v) {
 }
 
 // R rows of W (from n) against M rows of x (fp32, row stride k): acc_out[m * R + r].
-template <int BITS, int M, int R>
+template <Code C, int M, int R>
 void rows_block(const Layout& L, const float* xf, int n, float* acc_out) {
   vf acc[M][R] = {};
   const uint8_t* rows[R];
@@ -136,7 +179,7 @@ void rows_block(const Layout& L, const float* xf, int n, float* acc_out) {
     const int c1 = (g + 1) * L.group;
     for (int c = g * L.group; c < c1; c += VW) {
       vf wv[R];
-      for (int r = 0; r < R; ++r) wv[r] = decode<BITS>(rows[r], c) * s[r] + b[r];
+      for (int r = 0; r < R; ++r) wv[r] = decode<C>(rows[r], c) * s[r] + b[r];
       for (int m = 0; m < M; ++m) {
         const vf xv = loadv(xf + static_cast<int64_t>(m) * L.k + c);
         for (int r = 0; r < R; ++r) acc[m][r] += wv[r] * xv;
@@ -151,7 +194,7 @@ void rows_block(const Layout& L, const float* xf, int n, float* acc_out) {
 // each group's sum scaled once, the zero point and offset added through the group's sum of x:
 //   sum_k w x = sum_g [ scale_g * sum_{k in g} q x + (offset_g - zero_g * scale_g) * sum_{k in g} x ]
 // which takes the per-weight multiply-add of the decoding out of the inner loop.
-template <int BITS, int R>
+template <Code C, int R>
 void single_row_block(const Layout& L, const float* x, const float* xsum, int n, float* out) {
   vf acc[R] = {};
   float corr[R] = {};
@@ -163,7 +206,7 @@ void single_row_block(const Layout& L, const float* x, const float* xsum, int n,
     const int c1 = (g + 1) * L.group;
     for (int c = g * L.group; c < c1; c += VW) {
       const vf xv = loadv(x + c);
-      for (int r = 0; r < R; ++r) part[r] += decode<BITS>(rows[r], c) * xv;
+      for (int r = 0; r < R; ++r) part[r] += decode<C>(rows[r], c) * xv;
     }
     for (int r = 0; r < R; ++r) {
       const float sc = L.scale(n + r, g);
@@ -175,7 +218,7 @@ void single_row_block(const Layout& L, const float* x, const float* xsum, int n,
 }
 
 // Rows [n, n + nrows) of W decoded to fp32 into buf[nrows][k].
-template <int BITS>
+template <Code C>
 void decode_rows(const Layout& L, int n, int nrows, float* buf) {
   for (int r = 0; r < nrows; ++r) {
     const uint8_t* row = L.q + (n + r) * L.row_bytes();
@@ -184,7 +227,7 @@ void decode_rows(const Layout& L, int n, int nrows, float* buf) {
       const float sc = L.scale(n + r, g);
       const vf s = vf{} + sc;
       const vf b = vf{} + (L.offset(n + r, g) - static_cast<float>(L.zero(n + r, g)) * sc);
-      for (int c = g * L.group; c < (g + 1) * L.group; c += VW) storev(dst + c, decode<BITS>(row, c) * s + b);
+      for (int c = g * L.group; c < (g + 1) * L.group; c += VW) storev(dst + c, decode<C>(row, c) * s + b);
     }
   }
 }
@@ -215,15 +258,15 @@ constexpr int RW = QL_RW;
 constexpr int XB = QL_XB;
 constexpr int MAX_ROWS = 32;
 
-template <int BITS, int MB>
+template <Code C, int MB>
 void block_rows(const Layout& L, const float* xf, int n, int nrows, float* res) {
   if (nrows == RW) {
-    rows_block<BITS, MB, RW>(L, xf, n, res);
+    rows_block<C, MB, RW>(L, xf, n, res);
     return;
   }
   for (int r = 0; r < nrows; ++r) {
     float part[MB];
-    rows_block<BITS, MB, 1>(L, xf, n + r, part);
+    rows_block<C, MB, 1>(L, xf, n + r, part);
     for (int m = 0; m < MB; ++m) res[m * RW + r] = part[m];
   }
 }
@@ -254,14 +297,14 @@ inline DecodedFn decoded_fn(int mb) {
 
 using BlockFn = void (*)(const Layout&, const float*, int, int, float*);
 
-template <int BITS>
+template <Code C>
 BlockFn block_fn(int mb) {
   static_assert(XB >= 1 && XB <= 4, "x blocks of 1 to 4 rows");
   switch (mb) {
-    case 1: return block_rows<BITS, 1>;
-    case 2: return block_rows<BITS, 2 <= XB ? 2 : 1>;
-    case 3: return block_rows<BITS, 3 <= XB ? 3 : 1>;
-    default: return block_rows<BITS, XB>;
+    case 1: return block_rows<C, 1>;
+    case 2: return block_rows<C, 2 <= XB ? 2 : 1>;
+    case 3: return block_rows<C, 3 <= XB ? 3 : 1>;
+    default: return block_rows<C, XB>;
   }
 }
 
@@ -270,7 +313,7 @@ BlockFn block_fn(int mb) {
 // them from there (decoding again for each block cost up to 2x at 8-32 rows).
 constexpr int FUSED_ROWS = XB;
 
-template <typename T, int BITS>
+template <typename T, Code C>
 void run_single(const Layout& L, const float* xf, const T* bias, T* out, int n_out, int threads) {
   std::vector<float> xsum(L.groups(), 0.f);
   for (int g = 0; g < L.groups(); ++g)
@@ -282,20 +325,20 @@ void run_single(const Layout& L, const float* xf, const T* bias, T* out, int n_o
     const int nrows = std::min(RW, n_out - n);
     float res[RW];
     if (nrows == RW) {
-      single_row_block<BITS, RW>(L, xf, xsum.data(), n, res);
+      single_row_block<C, RW>(L, xf, xsum.data(), n, res);
     } else {
-      for (int r = 0; r < nrows; ++r) single_row_block<BITS, 1>(L, xf, xsum.data(), n + r, res + r);
+      for (int r = 0; r < nrows; ++r) single_row_block<C, 1>(L, xf, xsum.data(), n + r, res + r);
     }
     for (int r = 0; r < nrows; ++r) store(out + n + r, res[r] + (bias ? to_float(bias[n + r]) : 0.f));
   }
 }
 
-template <typename T, int BITS>
+template <typename T, Code C>
 void run(const Layout& L, const T* x, const T* bias, T* out, int m, int n_out, int threads) {
   std::vector<float> xf(static_cast<size_t>(m) * L.k);
   for (size_t i = 0; i < xf.size(); ++i) xf[i] = to_float(x[i]);
   if (m == 1) {
-    run_single<T, BITS>(L, xf.data(), bias, out, n_out, threads);
+    run_single<T, C>(L, xf.data(), bias, out, n_out, threads);
     return;
   }
   const int slices = (n_out + RW - 1) / RW;
@@ -306,7 +349,7 @@ void run(const Layout& L, const T* x, const T* bias, T* out, int m, int n_out, i
     for (int s = 0; s < slices; ++s) {
       const int n = s * RW;
       const int nrows = std::min(RW, n_out - n);
-      if (m > FUSED_ROWS) decode_rows<BITS>(L, n, nrows, buf.data());
+      if (m > FUSED_ROWS) decode_rows<C>(L, n, nrows, buf.data());
       for (int m0 = 0; m0 < m; m0 += XB) {
         const int mb = std::min(XB, m - m0);
         float res[XB * RW];
@@ -314,7 +357,7 @@ void run(const Layout& L, const T* x, const T* bias, T* out, int m, int n_out, i
         if (m > FUSED_ROWS) {
           decoded_fn(mb)(buf.data(), xb, L.k, nrows, res);
         } else {
-          block_fn<BITS>(mb)(L, xb, n, nrows, res);
+          block_fn<C>(mb)(L, xb, n, nrows, res);
         }
         for (int r = 0; r < nrows; ++r) {
           const float b0 = bias ? to_float(bias[n + r]) : 0.f;
@@ -326,18 +369,31 @@ void run(const Layout& L, const T* x, const T* bias, T* out, int m, int n_out, i
   }
 }
 
-// x, bias and out in T (float, or bf16 bits); the weights' width picks the decoder.
+// x, bias and out in T (float, or bf16 bits); the weights' codes pick the decoder.
 template <typename T>
 void run_typed(const Layout& L, const void* x, const void* bias, void* out, int m, int n,
                int threads) {
   auto* xp = static_cast<const T*>(x);
   auto* bp = static_cast<const T*>(bias);
   auto* op = static_cast<T*>(out);
-  L.bits == 8 ? run<T, 8>(L, xp, bp, op, m, n, threads) : run<T, 4>(L, xp, bp, op, m, n, threads);
+  if (L.fp8) {
+    run<T, FP8_E4M3>(L, xp, bp, op, m, n, threads);
+  } else if (L.bits == 8) {
+    run<T, INT8>(L, xp, bp, op, m, n, threads);
+  } else {
+    run<T, INT4>(L, xp, bp, op, m, n, threads);
+  }
+}
+
+// 0, or what is wrong with the codes' description (fp8: 8 bits, zero 0, no offsets).
+int check_codes(const Layout& L) {
+  if (L.bits != 4 && L.bits != 8) return 4;
+  if (L.fp8 && (L.bits != 8 || L.zeros || L.zero_const || L.offsets)) return 7;
+  return 0;
 }
 
 int check(const Layout& L) {
-  if (L.bits != 4 && L.bits != 8) return 4;
+  if (const int rc = check_codes(L)) return rc;
   if (L.group <= 0 || L.k % L.group != 0 || L.group % VW != 0) return 5;
   if (L.bits == 4 && L.k % 32 != 0) return 6;
   return 0;
@@ -348,9 +404,9 @@ int check(const Layout& L) {
 extern "C" int quant_linear(int dtype_code,  // 0 = float32, 1 = bfloat16 (x, bias, out)
                             const void* x, const uint8_t* q, const void* scales,
                             const void* offsets, const uint8_t* zeros, int scale_half,
-                            int zero_const, int bits, int group, const void* bias, void* out,
-                            int m, int n, int k, int num_threads) {
-  const Layout L{q, scales, offsets, zeros, scale_half, zero_const, bits, k, group};
+                            int zero_const, int bits, int fp8, int group, const void* bias,
+                            void* out, int m, int n, int k, int num_threads) {
+  const Layout L{q, scales, offsets, zeros, scale_half, zero_const, bits, fp8, k, group};
   if (const int rc = check(L)) return rc;
   if (m < 1 || m > MAX_ROWS) return 3;
   num_threads = std::max(1, num_threads);
@@ -366,15 +422,29 @@ extern "C" int quant_linear(int dtype_code,  // 0 = float32, 1 = bfloat16 (x, bi
 }
 
 // Rows [row0, row0 + rows) of W as fp32 into out[rows][k]: (q - zero) * scale, then + offset
-// (two roundings, in the order the formats' reference dequantizations use: no FMA contraction).
+// (two roundings, in the order the formats' reference dequantizations use: no FMA contraction);
+// fp8: value * scale, one rounding.
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
+
+// Columns [c0, c1) of an fp8 row times s (the scale times 256) into dst.
+static void fp8_dequantize(const uint8_t* row, int c0, int c1, float s, float* dst) {
+  int c = c0;
+#if defined(QL_AVX2_DECODE)
+  const __m256 sv = _mm256_set1_ps(s);
+  for (; c + 8 <= c1; c += 8) {
+    _mm256_storeu_ps(dst + c, _mm256_mul_ps(decode8<FP8_E4M3>(row, c), sv));
+  }
+#endif
+  for (; c < c1; ++c) dst[c] = decode1<FP8_E4M3>(row, c) * s;
+}
+
 extern "C" int quant_dequantize(const uint8_t* q, const void* scales, const void* offsets,
                                 const uint8_t* zeros, int scale_half, int zero_const, int bits,
-                                int group, int row0, int rows, int k, float* out,
+                                int fp8, int group, int row0, int rows, int k, float* out,
                                 int num_threads) {
-  const Layout L{q, scales, offsets, zeros, scale_half, zero_const, bits, k, group};
-  if (L.bits != 4 && L.bits != 8) return 4;
+  const Layout L{q, scales, offsets, zeros, scale_half, zero_const, bits, fp8, k, group};
+  if (const int rc = check_codes(L)) return rc;
   if (L.group <= 0 || L.k % L.group != 0) return 5;
 #pragma omp parallel for num_threads(std::max(1, num_threads)) schedule(static)
   for (int r = 0; r < rows; ++r) {
@@ -383,6 +453,10 @@ extern "C" int quant_dequantize(const uint8_t* q, const void* scales, const void
     float* dst = out + static_cast<int64_t>(r) * k;
     for (int g = 0; g < L.groups(); ++g) {
       const float s = L.scale(n, g);
+      if (L.fp8) {
+        fp8_dequantize(row, g * group, (g + 1) * group, s, dst);
+        continue;
+      }
       const float o = L.offset(n, g);
       const int z = L.zero(n, g);
       for (int c = g * group; c < (g + 1) * group; ++c) {

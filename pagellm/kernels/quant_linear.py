@@ -1,4 +1,5 @@
-"""Python face of the quantized linear kernel (see quant_linear.cpp)."""
+"""Python face of the quantized linear kernel (see quant_linear.cpp): integer and FP8 E4M3
+codes in the stored form of ``pagellm.quant.formats``."""
 
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ class QuantLinearKernel:
         ptr, i = ctypes.c_void_p, ctypes.c_int
         self._linear = lib.quant_linear
         self._linear.restype = i
-        self._linear.argtypes = [i, ptr, ptr, ptr, ptr, ptr, i, i, i, i, ptr, ptr, i, i, i, i]
+        self._linear.argtypes = [i, ptr, ptr, ptr, ptr, ptr, i, i, i, i, i, ptr, ptr, i, i, i, i]
         self._dequant = lib.quant_dequantize
         self._dequant.restype = i
-        self._dequant.argtypes = [ptr, ptr, ptr, ptr, i, i, i, i, i, i, i, ptr, i]
+        self._dequant.argtypes = [ptr, ptr, ptr, ptr, i, i, i, i, i, i, i, i, ptr, i]
         self.max_rows = int(lib.quant_linear_max_rows())
         self._panel = torch.empty(0)
 
@@ -54,7 +55,6 @@ class QuantLinearKernel:
             _DTYPE_CODES[x.dtype],
             x.data_ptr(),
             *_layout(w),
-            fmt.bits,
             fmt.group(k),
             None,
             out.data_ptr(),
@@ -89,7 +89,6 @@ class QuantLinearKernel:
         fmt = w.fmt
         rc = self._dequant(
             *_layout(w),
-            fmt.bits,
             fmt.group(k),
             row0,
             rows,
@@ -103,7 +102,7 @@ class QuantLinearKernel:
 
 
 def _layout(w: QuantizedWeight) -> tuple:
-    """q, scales, offsets, zeros, scale_half, zero_const: the C layout's pointer arguments."""
+    """q, scales, offsets, zeros, scale_half, zero_const, bits, fp8: the C layout's arguments."""
     for t in (w.q, w.scales, w.zeros, w.offsets):
         if t is not None and not t.is_contiguous():
             raise ValueError("quantized weights must be contiguous")
@@ -114,6 +113,8 @@ def _layout(w: QuantizedWeight) -> tuple:
         w.zeros.data_ptr() if w.zeros is not None else None,
         int(w.scales.dtype == torch.float16),
         w.fmt.zero or 0,
+        w.fmt.bits,
+        int(w.fmt.fp8),
     )
 
 

@@ -10,9 +10,13 @@ stored form of ``formats`` without dequantizing:
   is). With ``desc_act`` the groups are not contiguous in the inputs: the inputs are permuted so
   that they are, and the layer permutes its activations the same way.
 - **compressed-tensors** (what llm-compressor writes): ``pack-quantized`` int4 (``weight_packed``
-  int32 [out, in / 8], values + 8, ``weight_scale`` [out, groups]) and ``int-quantized`` /
-  ``naive-quantized`` int8 (``weight`` int8, ``weight_scale`` [out, 1 or groups]); symmetric,
-  weights only (W4A16, W8A16).
+  int32 [out, in / 8], values + 8, ``weight_scale`` [out, groups]), ``int-quantized`` /
+  ``naive-quantized`` int8 (``weight`` int8, ``weight_scale`` [out, 1 or groups]) and
+  ``float-quantized`` FP8 (``weight`` float8_e4m3fn, ``weight_scale`` [out, 1] for strategy
+  ``channel``, one value for ``tensor``); symmetric weights. Schemes that also quantize
+  activations to 8 bits (W8A8, FP8, FP8_DYNAMIC) are served weight-only: the weights as stored,
+  activations in the model dtype (static ``input_scale`` / ``input_zero_point`` are not read),
+  which is what vLLM does on GPUs without FP8 compute.
 
 ``checkpoint_plan`` reads the config into a ``CheckpointQuant`` (the form of each layer, or a
 ValueError naming what is not supported); ``assemble`` turns the checkpoint's stream of tensors
@@ -28,7 +32,7 @@ from typing import Any
 
 import torch
 
-from pagellm.quant.formats import QuantFormat, QuantizedWeight, pack_nibbles
+from pagellm.quant.formats import QuantFormat, QuantizedWeight, fp8_nan_codes, pack_nibbles
 
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 """Output column c of a group of eight sits in nibble AWQ_REVERSE_ORDER[c] of its word."""
@@ -38,6 +42,7 @@ _PARTS = {
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
     "ct-pack": ("weight_packed", "weight_scale"),
     "ct-int": ("weight", "weight_scale"),
+    "ct-fp8": ("weight", "weight_scale"),
 }
 _OPTIONAL = {"ct-pack": ("weight_shape",)}
 
@@ -56,6 +61,12 @@ class CheckpointQuant:
     gptq_zero_offset: int = 0
     """1 for GPTQ's v1 format (zeros stored minus one)."""
     act_order: bool = False
+    per_tensor: bool = False
+    """One scale for a whole tensor (compressed-tensors strategy ``tensor``): every row gets it."""
+    dropped: tuple[str, ...] = ()
+    """Parameters of a quantized layer that are not read (static activation scales)."""
+    weight_only_note: str | None = None
+    """Said once at start-up when the checkpoint quantizes activations and pagellm does not."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def quantizes(self, hf_name: str) -> bool:
@@ -122,33 +133,105 @@ def _compressed_tensors(qc: dict[str, Any]) -> CheckpointQuant:
     groups = qc.get("config_groups") or {}
     if len(groups) != 1:
         raise ValueError(f"compressed-tensors with {len(groups)} config groups is not supported")
+    _check_kv_cache_scheme(qc.get("kv_cache_scheme"))
     scheme = next(iter(groups.values()))
     weights = scheme.get("weights") or {}
-    if scheme.get("input_activations"):
-        raise ValueError(
-            "compressed-tensors with quantized activations (W8A8, FP8) is not supported yet; "
-            "weight-only schemes (W4A16, W8A16) are"
-        )
-    if weights.get("type", "int") != "int" or not weights.get("symmetric", True):
-        raise ValueError("compressed-tensors: only symmetric integer weights are supported")
+    if scheme.get("output_activations"):
+        raise ValueError("compressed-tensors with quantized output activations is not supported")
+    if not weights.get("symmetric", True):
+        raise ValueError("compressed-tensors: only symmetric weights are supported")
     bits = int(weights.get("num_bits", 8))
-    strategy = weights.get("strategy", "channel")
+    strategy = str(weights.get("strategy") or "channel").lower()
     group = int(weights.get("group_size") or 0) if strategy == "group" else 0
-    if strategy not in ("group", "channel"):
-        raise ValueError(f"compressed-tensors weight strategy {strategy!r} is not supported")
-    layout_name = str(qc.get("format", "")).lower()
+    activations = scheme.get("input_activations") or None
+    act_bits = _activation_bits(activations)
+    layout_name = str(scheme.get("format") or qc.get("format") or "").lower()
+    kind = str(weights.get("type") or "int").lower()
+    if kind == "float":
+        fmt, layout = _ct_float(layout_name, bits, group)
+    elif kind == "int":
+        fmt, layout = _ct_int(layout_name, bits, group, act_bits)
+    else:
+        raise ValueError(f"compressed-tensors {kind!r} weights are not supported")
+    if strategy not in ("group", "channel", "tensor"):
+        raise ValueError(
+            f"compressed-tensors weight strategy {strategy!r} is not supported (FP8_BLOCK's "
+            "'block' included); channel, tensor and group scales are"
+        )
+    return CheckpointQuant(
+        "compressed-tensors",
+        layout,
+        fmt,
+        tuple(qc.get("ignore") or ()),
+        per_tensor=strategy == "tensor",
+        dropped=_ACTIVATION_PARAMS if activations else (),
+        weight_only_note=_weight_only_note(fmt, activations),
+    )
+
+
+def _check_kv_cache_scheme(scheme: dict[str, Any] | None) -> None:
+    """An FP8 ``kv_cache_scheme`` is read: its per-layer ``self_attn.k_scale`` / ``v_scale`` go
+    to the model, which an FP8 KV cache (``--kv-cache-dtype fp8``) uses. Others are refused."""
+    if not scheme:
+        return
+    if str(scheme.get("type", "float")).lower() != "float" or int(scheme.get("num_bits", 8)) != 8:
+        raise ValueError(
+            "compressed-tensors kv_cache_scheme other than FP8 (8-bit float) is not supported"
+        )
+
+
+_ACTIVATION_PARAMS = ("input_scale", "input_zero_point")
+"""A quantized layer's static activation parameters: not read (served weight-only)."""
+
+
+def _activation_bits(activations: dict[str, Any] | None) -> int:
+    """16 for unquantized activations; 8-bit ones are served weight-only, others refused."""
+    if not activations:
+        return 16
+    bits = int(activations.get("num_bits", 8))
+    if bits != 8:
+        raise ValueError(
+            f"compressed-tensors with {bits}-bit activations is not supported (8-bit activations "
+            "are served weight-only)"
+        )
+    return bits
+
+
+def _ct_float(layout_name: str, bits: int, group: int) -> tuple[QuantFormat, str]:
+    if bits != 8:
+        raise ValueError(
+            f"compressed-tensors {bits}-bit float weights (NVFP4, MXFP4) are not supported; "
+            "8-bit (FP8 E4M3) are"
+        )
+    if layout_name not in ("float-quantized", "naive-quantized"):
+        raise ValueError(
+            f"compressed-tensors format {layout_name!r} with fp8 weights is not supported"
+        )
+    fmt = QuantFormat("compressed-tensors:fp8", bits=8, group_size=group, kind="fp8_e4m3")
+    return fmt, "ct-fp8"
+
+
+def _ct_int(layout_name: str, bits: int, group: int, act_bits: int) -> tuple[QuantFormat, str]:
+    name = f"compressed-tensors:w{bits}a{act_bits}"
     if layout_name == "pack-quantized" and bits in (4, 8):
         zero = 8 if bits == 4 else 0
-        fmt = QuantFormat(f"compressed-tensors:w{bits}a16", bits=bits, group_size=group, zero=zero)
-        layout = "ct-pack"
-    elif layout_name in ("int-quantized", "naive-quantized") and bits == 8:
-        fmt = QuantFormat("compressed-tensors:w8a16", bits=8, group_size=group, zero=0)
-        layout = "ct-int"
-    else:
-        raise ValueError(
-            f"compressed-tensors format {layout_name!r} with {bits}-bit weights is not supported"
-        )
-    return CheckpointQuant("compressed-tensors", layout, fmt, tuple(qc.get("ignore") or ()))
+        return QuantFormat(name, bits=bits, group_size=group, zero=zero), "ct-pack"
+    if layout_name in ("int-quantized", "naive-quantized") and bits == 8:
+        return QuantFormat(name, bits=8, group_size=group, zero=0), "ct-int"
+    raise ValueError(
+        f"compressed-tensors format {layout_name!r} with {bits}-bit weights is not supported"
+    )
+
+
+def _weight_only_note(fmt: QuantFormat, activations: dict[str, Any] | None) -> str | None:
+    if not activations:
+        return None
+    how = "dynamic" if activations.get("dynamic") else "static"
+    kind = "fp8" if str(activations.get("type") or "int").lower() == "float" else "int8"
+    return (
+        f"{fmt.name} weights are served weight-only (W{fmt.bits}A16): the checkpoint's {how} "
+        f"{kind} activation quantization is not applied, activations stay in --dtype"
+    )
 
 
 def assemble(
@@ -161,6 +244,8 @@ def assemble(
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         module, _, suffix = name.rpartition(".")
+        if suffix in plan.dropped and plan.quantizes(f"{module}.weight"):
+            continue
         if suffix == "weight" and "weight" not in parts and plan.quantizes(name):
             raise ValueError(
                 f"{name} is stored unquantized, but the checkpoint's quantization_config says "
@@ -170,18 +255,25 @@ def assemble(
             got = pending.setdefault(module, {})
             got[suffix] = tensor
             if all(p in got for p in parts) and (not optional or all(o in got for o in optional)):
-                yield f"{module}.weight", _convert(pending.pop(module), plan)
+                yield f"{module}.weight", _convert(module, pending.pop(module), plan)
             continue
         yield name, tensor
     for module, got in pending.items():
         if all(p in got for p in parts):  # optional parts absent
-            yield f"{module}.weight", _convert(got, plan)
+            yield f"{module}.weight", _convert(module, got, plan)
         else:
             missing = [p for p in parts if p not in got]
             raise ValueError(f"checkpoint is missing {module}.{missing[0]}")
 
 
-def _convert(t: dict[str, torch.Tensor], plan: CheckpointQuant) -> QuantizedWeight:
+def _convert(module: str, t: dict[str, torch.Tensor], plan: CheckpointQuant) -> QuantizedWeight:
+    try:
+        return _convert_parts(t, plan)
+    except ValueError as exc:
+        raise ValueError(f"{module}: {exc}") from exc
+
+
+def _convert_parts(t: dict[str, torch.Tensor], plan: CheckpointQuant) -> QuantizedWeight:
     if plan.layout == "awq":
         return awq_weight(t["qweight"], t["qzeros"], t["scales"], plan.fmt)
     if plan.layout == "gptq":
@@ -189,8 +281,10 @@ def _convert(t: dict[str, torch.Tensor], plan: CheckpointQuant) -> QuantizedWeig
             t["qweight"], t["qzeros"], t["scales"], t["g_idx"], plan.fmt, plan.gptq_zero_offset
         )
     if plan.layout == "ct-pack":
-        return ct_packed_weight(t["weight_packed"], t["weight_scale"], plan.fmt)
-    return ct_int_weight(t["weight"], t["weight_scale"], plan.fmt)
+        return ct_packed_weight(t["weight_packed"], t["weight_scale"], plan.fmt, plan.per_tensor)
+    if plan.layout == "ct-fp8":
+        return ct_fp8_weight(t["weight"], t["weight_scale"], plan.fmt, plan.per_tensor)
+    return ct_int_weight(t["weight"], t["weight_scale"], plan.fmt, plan.per_tensor)
 
 
 def unpack_int32(words: torch.Tensor, bits: int = 4) -> torch.Tensor:
@@ -251,7 +345,7 @@ def gptq_weight(
 
 
 def ct_packed_weight(
-    packed: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat
+    packed: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat, per_tensor: bool = False
 ) -> QuantizedWeight:
     """compressed-tensors pack-quantized: int32 [out, in * bits / 32], each value stored plus
     2 ** (bits - 1) (4 bits: the +8 is our zero point; 8 bits: back to signed)."""
@@ -260,18 +354,46 @@ def ct_packed_weight(
         stored = (q.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
     else:
         stored = pack_nibbles(q)
-    return QuantizedWeight(fmt, stored.contiguous(), _ct_scales(scale, fmt, q.shape[1]))
+    scales = _ct_scales(scale, fmt, *q.shape, per_tensor)
+    return QuantizedWeight(fmt, stored.contiguous(), scales)
 
 
-def ct_int_weight(weight: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat) -> QuantizedWeight:
-    q = weight.to(torch.int8).contiguous().view(torch.uint8)
-    return QuantizedWeight(fmt, q, _ct_scales(scale, fmt, q.shape[1]))
+def ct_int_weight(
+    weight: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat, per_tensor: bool = False
+) -> QuantizedWeight:
+    if weight.dtype != torch.int8:
+        raise ValueError(f"{fmt.name}: the weight is {weight.dtype}, not int8")
+    q = weight.contiguous().view(torch.uint8)
+    return QuantizedWeight(fmt, q, _ct_scales(scale, fmt, *q.shape, per_tensor))
 
 
-def _ct_scales(scale: torch.Tensor, fmt: QuantFormat, in_features: int) -> torch.Tensor:
-    scales = scale.to(torch.float32).reshape(scale.shape[0], -1).contiguous()
+def ct_fp8_weight(
+    weight: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat, per_tensor: bool = False
+) -> QuantizedWeight:
+    """compressed-tensors float-quantized: ``weight`` float8_e4m3fn [out, in], kept as its
+    bytes; ``weight_scale`` [out, 1] (channel), [out, groups] or one value (tensor)."""
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{fmt.name}: the weight is {weight.dtype}, not float8_e4m3fn")
+    q = weight.contiguous().view(torch.uint8)
+    nans = fp8_nan_codes(q)
+    if nans:
+        raise ValueError(f"{fmt.name}: {nans} weights are NaN")
+    return QuantizedWeight(fmt, q, _ct_scales(scale, fmt, *q.shape, per_tensor))
+
+
+def _ct_scales(
+    scale: torch.Tensor, fmt: QuantFormat, rows: int, in_features: int, per_tensor: bool
+) -> torch.Tensor:
+    """``weight_scale`` as fp32 [out, groups]; a per-tensor scale is given to every row."""
+    if per_tensor:
+        if scale.numel() != 1:
+            raise ValueError(f"a per-tensor weight_scale has {scale.numel()} values")
+        return scale.to(torch.float32).reshape(1, 1).expand(rows, 1).contiguous()
+    scales = scale.to(torch.float32).reshape(scale.shape[0] if scale.dim() else 1, -1)
+    if scales.shape[0] != rows:
+        raise ValueError(f"weight_scale has {scales.shape[0]} rows for {rows} outputs")
     _check_groups(fmt, in_features, scales.shape[1], fmt.name)
-    return scales
+    return scales.contiguous()
 
 
 def _check_groups(fmt: QuantFormat, in_features: int, groups: int, what: str) -> None:

@@ -1,14 +1,19 @@
 """The one stored form of a quantized weight, and its reference dequantization.
 
-Every format pagellm keeps quantized is held as integers in groups along the input dimension::
+Every format pagellm keeps quantized is held as codes in groups along the input dimension::
 
     w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] + offset[n, g]      g = k // group_size
 
 ``q`` is signed 8-bit, or unsigned 4-bit packed two to a byte in blocks of 32 inputs (GGUF's
-order: byte j of a block holds input j in its low nibble, input j + 16 in its high one). ``zero`` is one byte per group or a constant; ``offset`` is optional. GGUF Q8_0 is (8 bits,
+order: byte j of a block holds input j in its low nibble, input j + 16 in its high one).
+``zero`` is one byte per group or a constant; ``offset`` is optional. GGUF Q8_0 is (8 bits,
 zero 0), Q4_0 (4 bits, zero 8), Q4_1 (4 bits, zero 0, offset = the block minimum); AWQ/GPTQ-style
 asymmetric int4 has per-group zeros. The reference dequantization multiplies, then adds: the
 order the formats' own reference code uses, so it is bit-exact with theirs.
+
+FP8 weights (``kind="fp8_e4m3"``) are the same form with float codes: each byte is an OCP
+E4M3 ``float8_e4m3fn`` (sign, 4 exponent bits of bias 7, 3 mantissa bits; largest 448; 0x7F and
+0xFF are NaN, which no loader accepts), zero 0, no offset: ``w = float(q) * scale``.
 """
 
 from __future__ import annotations
@@ -34,12 +39,23 @@ class QuantFormat:
     offsets: bool = False
     act_order: bool = False
     """The inputs are stored permuted (GPTQ ``desc_act``): the layer permutes x to match."""
+    kind: str = "int"
+    """What a code is: ``int`` (an integer), or ``fp8_e4m3`` (an E4M3 float byte; 8 bits,
+    zero 0, no offsets)."""
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"{self.name}: {self.bits}-bit weights are not supported")
         if self.scale_dtype not in (torch.float16, torch.float32):
             raise ValueError(f"{self.name}: scales must be float16 or float32")
+        if self.kind not in KINDS:
+            raise ValueError(f"{self.name}: element kind {self.kind!r} is not one of {KINDS}")
+        if self.fp8 and (self.bits != 8 or self.zero != 0 or self.offsets or self.act_order):
+            raise ValueError(f"{self.name}: fp8 weights are 8 bits, zero 0, with no offsets")
+
+    @property
+    def fp8(self) -> bool:
+        return self.kind == "fp8_e4m3"
 
     def groups(self, in_features: int) -> int:
         group = self.group(in_features)
@@ -123,6 +139,9 @@ class QuantizedWeight:
         """The float32 weight in its stored input order."""
         out_features, in_features = self.shape
         group = self.fmt.group(in_features)
+        if self.fmt.fp8:
+            codes = self.q.view(torch.float8_e4m3fn).float()
+            return codes * self.scales.float().repeat_interleave(group, dim=1)
         values = unpack(self.q, self.fmt.bits).to(torch.int32)
         zeros = self.zeros if self.zeros is not None else None
         if zeros is not None:
@@ -133,6 +152,17 @@ class QuantizedWeight:
         if self.offsets is not None:
             w = w + self.offsets.float().repeat_interleave(group, dim=1)
         return w
+
+
+KINDS = ("int", "fp8_e4m3")
+FP8_MAX = 448.0
+"""The largest finite E4M3 (``float8_e4m3fn``) value."""
+
+
+def fp8_nan_codes(q: torch.Tensor) -> int:
+    """How many bytes of ``q`` are E4M3 NaNs (0x7F, 0xFF): loaders refuse weights with any (the
+    kernel decodes them as +-480)."""
+    return int(((q & 0x7F) == 0x7F).sum())
 
 
 def _narrow(t: torch.Tensor | None, dim: int, start: int, length: int) -> torch.Tensor | None:

@@ -1,12 +1,13 @@
-"""Quantize a float weight at load (``--quantization int8|int4``, and any dense tensor that meets
-a quantized layer): symmetric per-channel int8 (W8A16), asymmetric int4 in groups (W4A16, an
-integer zero per group, as AWQ and GPTQ store it)."""
+"""Quantize a float weight at load (``--quantization int8|int4|fp8``, and any dense tensor that
+meets a quantized layer): symmetric per-channel int8 (W8A16), asymmetric int4 in groups (W4A16,
+an integer zero per group, as AWQ and GPTQ store it), per-channel FP8 E4M3 (W8A16 with float
+codes: vLLM's online ``fp8``, its absmax onto 448)."""
 
 from __future__ import annotations
 
 import torch
 
-from pagellm.quant.formats import QuantFormat, QuantizedWeight, pack_nibbles
+from pagellm.quant.formats import FP8_MAX, QuantFormat, QuantizedWeight, pack_nibbles
 
 INT4_GROUPS = (128, 64, 32)
 """Group sizes tried for online int4, largest first: the first that divides the inputs."""
@@ -14,6 +15,10 @@ INT4_GROUPS = (128, 64, 32)
 
 def int8_format() -> QuantFormat:
     return QuantFormat("int8", bits=8, group_size=0)
+
+
+def fp8_format() -> QuantFormat:
+    return QuantFormat("fp8", bits=8, group_size=0, kind="fp8_e4m3")
 
 
 def int4_format(in_features: int) -> QuantFormat:
@@ -28,6 +33,8 @@ def int4_format(in_features: int) -> QuantFormat:
 def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantizedWeight:
     """``weight`` [out, in] in ``fmt`` (symmetric when ``fmt.zero`` is a constant, else with a
     zero per group); round to nearest."""
+    if fmt.fp8:
+        return _quantize_fp8(weight, fmt)
     if fmt.zero is None and fmt.bits != 4:
         raise ValueError(f"{fmt.name}: zeros per group are supported for 4-bit weights only")
     w = weight.detach().to(torch.float32)
@@ -71,3 +78,14 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantizedWeight:
     if offsets is not None:
         offsets = offsets.contiguous()
     return QuantizedWeight(fmt, stored.contiguous(), scales.contiguous(), zeros_u8, offsets)
+
+
+def _quantize_fp8(weight: torch.Tensor, fmt: QuantFormat) -> QuantizedWeight:
+    """Each group's absmax onto E4M3's 448 (round to nearest even; never a NaN code)."""
+    w = weight.detach().to(torch.float32)
+    out_features, in_features = w.shape
+    g = w.reshape(out_features, fmt.groups(in_features), fmt.group(in_features))
+    scales = (g.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-10).to(fmt.scale_dtype)
+    codes = (g / scales.float().unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    stored = codes.reshape(out_features, in_features).view(torch.uint8).contiguous()
+    return QuantizedWeight(fmt, stored, scales.contiguous())

@@ -3,15 +3,16 @@
 vLLM's names: ``auto`` (the checkpoint says: a GGUF file's quantized tensors stay quantized, an
 AWQ / GPTQ / compressed-tensors checkpoint is read as its ``quantization_config`` says, a float
 checkpoint stays float), ``none`` (a GGUF dequantized to the model dtype at load), ``gguf``,
-``awq``, ``gptq``, ``compressed-tensors`` (the checkpoint must be so), ``int8`` / ``int4`` (a
-float checkpoint quantized at load: the decoder's linear layers; embeddings and the LM head stay
-in the model dtype, as vLLM and llm-compressor leave them). A setting that contradicts the
-checkpoint, or a scheme pagellm does not read, is refused at start-up with both named.
+``awq``, ``gptq``, ``compressed-tensors`` (the checkpoint must be so), ``int8`` / ``int4`` /
+``fp8`` (a float checkpoint quantized at load: the decoder's linear layers; embeddings and the LM
+head stay in the model dtype, as vLLM and llm-compressor leave them). A setting that contradicts
+the checkpoint, or a scheme pagellm does not read, is refused at start-up with both named.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +21,9 @@ from pagellm.config import QUANTIZATION_METHODS
 from pagellm.quant.checkpoints import CheckpointQuant, checkpoint_plan
 from pagellm.quant.formats import QuantFormat
 from pagellm.quant.gguf_blocks import kept_format
-from pagellm.quant.online import int4_format, int8_format
+from pagellm.quant.online import fp8_format, int4_format, int8_format
 
+log = logging.getLogger(__name__)
 METHODS = QUANTIZATION_METHODS
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -45,7 +47,7 @@ class QuantPlan:
         if self.method == "gguf":
             type_name = self.gguf_types.get(hf_name)
             return kept_format(type_name) if type_name else None
-        if self.method in ("int8", "int4") and _is_decoder_linear(hf_name):
+        if self.method in _ONLINE and _is_decoder_linear(hf_name):
             return _ONLINE[self.method](in_features)
         if self.checkpoint is not None and self.checkpoint.quantizes(hf_name):
             return self.checkpoint.fmt
@@ -55,6 +57,7 @@ class QuantPlan:
 _ONLINE: dict[str, Callable[[int], QuantFormat]] = {
     "int8": lambda _in: int8_format(),
     "int4": int4_format,
+    "fp8": lambda _in: fp8_format(),
 }
 
 
@@ -85,6 +88,8 @@ def resolve_plan(
             checkpoint = checkpoint_plan(qc)
         except ValueError as exc:
             raise ValueError(f"{source} is quantized with {checkpoint_method!r}: {exc}") from exc
+        if checkpoint.weight_only_note:
+            log.info("%s: %s", source.name, checkpoint.weight_only_note)
         return QuantPlan(checkpoint.method, checkpoint=checkpoint)
     if method in _CHECKPOINT_METHODS:
         raise ValueError(
@@ -101,7 +106,7 @@ def _gguf_plan(method: str, source: Path, types: dict[str, str]) -> QuantPlan:
     quantized = sorted({t for t in types.values() if t not in ("F32", "F16", "BF16")})
     if method in _CHECKPOINT_METHODS:
         raise ValueError(f"--quantization {method} needs a {method} checkpoint, not a GGUF file")
-    if method in ("int8", "int4"):
+    if method in _ONLINE:
         if quantized:
             raise ValueError(
                 f"--quantization {method} quantizes a float checkpoint; {source.name} is "
