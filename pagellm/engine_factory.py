@@ -12,6 +12,7 @@ from pagellm.runner.tokenizer import Tokenizer
 
 
 def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
+    check_kv_cache_settings(config)
     source = resolve_source(config.model.model)
     files = open_model(source, config.model.quantization)
     arch = files.arch
@@ -46,3 +47,15 @@ def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
         attention_crossover=arch.attention_crossover(),
     )
     return engine, tokenizer
+
+
+def check_kv_cache_settings(config: EngineConfig) -> None:
+    """--kv-cache-dtype and --calculate-kv-scales, before anything loads (ValueError)."""
+    from pagellm.attention.kv_cache import kv_cache_format
+
+    kv_format = kv_cache_format(config.cache.kv_cache_dtype)
+    if config.cache.calculate_kv_scales and kv_format.fp8 is None:
+        raise ValueError(
+            "--calculate-kv-scales needs an FP8 KV cache (--kv-cache-dtype fp8, fp8_e4m3 or "
+            "fp8_e5m2)"
+        )

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagellm.attention.backend import SeqLayout
+from pagellm.attention.kv_cache import kv_cache_format
 from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.kernels.paged_attention import load_paged_decode_kernel, load_paged_prefill_kernel
 
@@ -23,10 +24,22 @@ def _naive(q, k, v):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, HQ * D)
 
 
+def _as_cached(x: torch.Tensor, kv: str, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """What a cache of format ``kv`` gives back for x written in ``dtype``, as float32."""
+    x = x.to(dtype)
+    fmt = kv_cache_format(kv)
+    if fmt.fp8 is None:
+        return x.float()
+    return fmt.dequantize(fmt.quantize(x, scale), scale, torch.float32)
+
+
 @pytest.mark.parametrize("D", [16, 64, 128])  # 64 and 128 take the kernel's AVX-512 path
 @pytest.mark.parametrize("path", ["torch", "cpp-kernel", "cpp-prefill", "fused-sdpa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_batch_matches_naive_attention(dtype, path, D):
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "fp8_e5m2"])
+def test_mixed_batch_matches_naive_attention(kv, dtype, path, D):
+    """Every path against attention over the values the cache holds (an FP8 cache's rounded
+    K and V, with scales that are not 1)."""
     gen = torch.Generator().manual_seed(0)
     use_kernel = path in ("cpp-kernel", "cpp-prefill")
     kernel = load_paged_decode_kernel() if use_kernel else None
@@ -34,12 +47,16 @@ def test_mixed_batch_matches_naive_attention(dtype, path, D):
     if use_kernel:
         assert kernel is not None, "the C++ kernel must build on this machine (g++ is required)"
     backend = TorchAttentionBackend(
-        HQ, HKV, D, BS, dtype, decode_kernel=kernel, prefill_kernel=prefill
-    )
+        HQ, HKV, D, BS, dtype, decode_kernel=kernel, prefill_kernel=prefill,
+        kv_format=kv_cache_format(kv),
+    )  # fmt: skip
     assert (backend.decode_kernel is not None) == use_kernel
     assert (backend.prefill_kernel is not None) == (path == "cpp-prefill")
     backend.fused_sdpa = path == "fused-sdpa"  # the path a GPU takes in every dtype
     (cache,) = backend.allocate_cache(1, NUM_BLOCKS)
+    if kv != "auto":
+        assert cache.k.dtype == torch.uint8
+        cache.k_scale, cache.v_scale = 0.25, 3.0
     # (context already cached, new tokens): two decodes, a prefill with a prefix, a fresh prefill
     # decodes, small prefill chunks (row-wise with the kernel), then chunks big enough for GEMMs
     shapes = [(9, 1), (3, 1), (70, 1), (0, 1), (6, 7), (0, 10), (0, 520), (300, 400)]
@@ -51,7 +68,7 @@ def test_mixed_batch_matches_naive_attention(dtype, path, D):
         v = torch.randn(cached + new, HKV, D, generator=gen)
         if cached:  # write the prefix through the backend itself
             meta = backend.build_metadata([SeqLayout(cached, 0, blocks)], NUM_BLOCKS)
-            backend._write(*cache, k[:cached].to(dtype), v[:cached].to(dtype), meta.slot_mapping)
+            backend._write(cache, k[:cached].to(dtype), v[:cached].to(dtype), meta.slot_mapping)
         seqs.append(SeqLayout(new, cached, blocks))
         full_k.append(k)
         full_v.append(v)
@@ -66,26 +83,34 @@ def test_mixed_batch_matches_naive_attention(dtype, path, D):
     ).float()
     expected = torch.cat(
         [
-            _naive(q, k.to(dtype).float(), v.to(dtype).float())
+            _naive(q, _as_cached(k, kv, dtype, 0.25), _as_cached(v, kv, dtype, 3.0))
             for q, k, v in zip([q.to(dtype).float() for q in q_parts], full_k, full_v, strict=True)
         ]
     )
     tol = 1e-5 if dtype == torch.float32 else 3e-2
+    tol *= 1 if kv == "auto" else 3  # v_scale 3 makes the outputs 3x larger
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("contexts", [[1500], [600, 3000, 257]], ids=["one-seq", "three-seqs"])
-def test_long_context_decodes_match_naive_attention(dtype, contexts):
-    """Few sequences with long contexts: the kernel splits each one's keys over the threads
-    (AVX2) and merges the parts."""
+@pytest.mark.parametrize("build", [(), ("-mno-avx512f",)], ids=["native", "no-avx512"])
+def test_long_context_decodes_match_naive_attention(dtype, contexts, kv, build):
+    """Few sequences with long contexts: the AVX2 path splits each one's keys over the threads
+    and merges the parts (on an AVX-512 machine the native build takes the AVX-512 path and
+    ``-mno-avx512f`` the AVX2 one)."""
     gen = torch.Generator().manual_seed(len(contexts))
     D, blocks_per_seq = 64, 200
-    kernel = load_paged_decode_kernel()
+    kernel = load_paged_decode_kernel(build)
     assert kernel is not None
-    backend = TorchAttentionBackend(HQ, HKV, D, BS, dtype, decode_kernel=kernel)
+    backend = TorchAttentionBackend(
+        HQ, HKV, D, BS, dtype, decode_kernel=kernel, kv_format=kv_cache_format(kv)
+    )
     num_blocks = blocks_per_seq * 4 * len(contexts)
     (cache,) = backend.allocate_cache(1, num_blocks)
+    if kv != "auto":
+        cache.k_scale, cache.v_scale = 0.25, 3.0
     order = torch.randperm(num_blocks, generator=gen).tolist()
     seqs, ks, vs = [], [], []
     for i, ctx in enumerate(contexts):
@@ -93,7 +118,7 @@ def test_long_context_decodes_match_naive_attention(dtype, contexts):
         k = torch.randn(ctx + 1, HKV, D, generator=gen)
         v = torch.randn(ctx + 1, HKV, D, generator=gen)
         meta = backend.build_metadata([SeqLayout(ctx, 0, blocks)], num_blocks)
-        backend._write(*cache, k[:ctx].to(dtype), v[:ctx].to(dtype), meta.slot_mapping)
+        backend._write(cache, k[:ctx].to(dtype), v[:ctx].to(dtype), meta.slot_mapping)
         seqs.append(SeqLayout(1, ctx, blocks))
         ks.append(k)
         vs.append(v)
@@ -104,9 +129,14 @@ def test_long_context_decodes_match_naive_attention(dtype, contexts):
     out = backend.forward(cache, q.to(dtype), new_k, new_v, meta).float()
     expected = torch.cat(
         [
-            _naive(q[i : i + 1].to(dtype).float(), k.to(dtype).float(), v.to(dtype).float())
+            _naive(
+                q[i : i + 1].to(dtype).float(),
+                _as_cached(k, kv, dtype, 0.25),
+                _as_cached(v, kv, dtype, 3.0),
+            )
             for i, (k, v) in enumerate(zip(ks, vs, strict=True))
         ]
     )
     tol = 1e-5 if dtype == torch.float32 else 3e-2
+    tol *= 1 if kv == "auto" else 3
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)

@@ -17,7 +17,7 @@ GOOD = {
     "engine_args": {"tensor_parallel_size": 2, "max_num_seqs": 64, "block_size": 16,
                     "enable_chunked_prefill": True, "max_num_batched_tokens": 1024,
                     "max_model_len": 2048, "gpu_memory_utilization": 0.9,
-                    "kv_cache_dtype": "auto"},
+                    "kv_cache_dtype": "fp8"},
     "ray_config": {"address": "auto", "num_replicas": 2, "min_replicas": 1, "max_replicas": 4,
                    "resources_per_replica": {"CPU": 4, "node_b": 1}},
     "gateway": {"port": 9000, "routing": "prefix-affinity",
@@ -41,7 +41,7 @@ def test_the_plan_of_a_good_file():
     assert plan["engine_args"]["scheduler"]["max_num_seqs"] == 64
     assert plan["gateway"]["url"] == "http://127.0.0.1:9000"
     assert plan["engine_args"]["cache"]["gpu_memory_utilization"] == 0.9
-    assert any("kv_cache_dtype" in note for note in plan["notes"])
+    assert plan["engine_args"]["cache"]["kv_cache_dtype"] == "fp8"
 
 
 @pytest.mark.parametrize(
@@ -51,6 +51,7 @@ def test_the_plan_of_a_good_file():
         ({"engine_args": {"max_num_seq": 64}}, "'max_num_seq'"),
         ({"engine_args": {"max_num_seqs": "many"}}, "engine_args.max_num_seqs"),
         ({"engine_args": {"quantization": "fp4"}}, "quantization"),
+        ({"engine_args": {"kv_cache_dtype": "int4"}}, "kv_cache_dtype"),
         ({"engine_args": {"model": "/m"}}, "deployment_config"),
         ({"ray_config": {"num_replica": 2}}, "'num_replica'"),
         ({"ray_config": {"num_replicas": 3, "max_replicas": 2}}, "max_replicas"),

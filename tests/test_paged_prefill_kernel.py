@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagellm.attention.kv_cache import kv_cache_format
 from pagellm.kernels.paged_attention import load_paged_prefill_kernel
 
 
@@ -35,13 +36,20 @@ def _reference(q, k_cache, v_cache, tables, query_starts, start_pos, scale):
     return out
 
 
-def _run_case(kernel, dtype, hkv, group, d, block_size, chunks, seed):
-    """chunks: (tokens cached before, chunk tokens) per sequence."""
+def _run_case(kernel, dtype, hkv, group, d, block_size, chunks, seed, kv="auto"):
+    """chunks: (tokens cached before, chunk tokens) per sequence; ``kv``: the cache's format
+    (FP8 caches hold K / 0.5 and V / 4)."""
     gen = torch.Generator().manual_seed(seed)
     needed = [-(-(s + n) // block_size) for s, n in chunks]
     num_blocks = sum(needed) + 3
     k_cache = torch.randn(hkv, num_blocks, block_size, d, generator=gen).to(dtype)
     v_cache = torch.randn(hkv, num_blocks, block_size, d, generator=gen).to(dtype)
+    fmt, k_scale, v_scale = kv_cache_format(kv), 0.5, 4.0
+    k_ref, v_ref = k_cache, v_cache
+    if fmt.fp8 is not None:
+        k_cache, v_cache = fmt.quantize(k_cache, k_scale), fmt.quantize(v_cache, v_scale)
+        k_ref = fmt.dequantize(k_cache, k_scale, torch.float64)
+        v_ref = fmt.dequantize(v_cache, v_scale, torch.float64)
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables, taken = [], 0
     for m in needed:
@@ -57,6 +65,7 @@ def _run_case(kernel, dtype, hkv, group, d, block_size, chunks, seed):
     out = torch.full_like(q, float("nan"))
     scale = d**-0.5
     start_pos = [s for s, _ in chunks]
+    fp8 = {} if fmt.fp8 is None else {"kv_code": fmt.kernel_code, "v_scale": v_scale}
     kernel(
         q,
         k_cache,
@@ -65,10 +74,12 @@ def _run_case(kernel, dtype, hkv, group, d, block_size, chunks, seed):
         torch.tensor(starts, dtype=torch.int32),
         torch.tensor(start_pos, dtype=torch.int32),
         out,
-        scale,
+        scale * (k_scale if fp8 else 1.0),
+        **fp8,
     )
-    expected = _reference(q, k_cache, v_cache, tables, starts, start_pos, scale)
+    expected = _reference(q, k_ref, v_ref, tables, starts, start_pos, scale)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
+    tol *= v_scale if fp8 else 1.0
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
 
 
@@ -138,3 +149,12 @@ def test_fp32_matches_sdpa_exactly_where_the_reference_is_fp32(kernel):
 def test_short_chunks_over_long_prefixes_split_their_keys(kernel, chunks, dtype):
     """Few work items: each is split over its prefix into parts and the parts merged."""
     _run_case(kernel, dtype, 2, 3, 64, 16, chunks, seed=len(chunks) * 17 + chunks[0][0])
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("hkv", "group", "d"), [(3, 3, 64), (1, 3, 80)])
+def test_fp8_cache(kernel, kv, dtype, hkv, group, d):
+    """An FP8 cache read through the block table, scales folded in; with a split item."""
+    chunks = [(0, 33), (41, 1), (37, 17), (1100, 3)]
+    _run_case(kernel, dtype, hkv, group, d, 5, chunks, seed=d + group, kv=kv)

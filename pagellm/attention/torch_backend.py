@@ -16,6 +16,12 @@ keys with an online softmax, reading the prefix through the block table (nothing
 no score matrix is formed). Without that kernel they are attended one sequence at a time with
 GEMMs over a gathered prefix, causal within the chunk. Metadata is built on the host and moved
 to the device once per step.
+
+With an FP8 cache (``--kv-cache-dtype fp8``) the step's K and V are quantized as they are written
+and every path reads them back from the cache: the C++ kernels convert FP8 as they load, the
+PyTorch paths dequantize what they gather, and a chunk that starts its sequence attends to its
+own K and V rounded as the cache holds them, so a chunked or cached prefill sees the same values
+as a whole one.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.attention.backend import SeqLayout
+from pagellm.attention.kv_cache import KVCacheFormat, LayerKV
 from pagellm.kernels.paged_attention import PagedDecodeKernel, PagedPrefillKernel
 
 
@@ -83,14 +90,21 @@ class TorchAttentionBackend:
         decode_kernel: PagedDecodeKernel | None = None,
         device: torch.device | str = "cpu",
         prefill_kernel: PagedPrefillKernel | None = None,
+        kv_format: KVCacheFormat | None = None,
+        calculate_kv_scales: bool = False,
     ) -> None:
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
+        self.kv_format = kv_format or KVCacheFormat("auto")
+        self.calculate_kv_scales = calculate_kv_scales and self.kv_format.fp8 is not None
+        code = self.kv_format.kernel_code
         self.decode_kernel = (
-            decode_kernel if on_cpu and decode_kernel and decode_kernel.supports(dtype) else None
+            decode_kernel
+            if on_cpu and decode_kernel and decode_kernel.supports(dtype, code)
+            else None
         )
         self.prefill_kernel = (
-            prefill_kernel if prefill_kernel and prefill_kernel.supports(dtype) else None
+            prefill_kernel if prefill_kernel and prefill_kernel.supports(dtype, code) else None
         )
         """The C++ kernel on a CPU, the Triton one on a GPU (same contract)."""
         self.fused_sdpa = not on_cpu
@@ -114,19 +128,21 @@ class TorchAttentionBackend:
             return False
         return num_tokens * (start_pos + num_tokens) <= self.ROW_WISE_WORK_LIMIT
 
-    def allocate_cache(
-        self, num_layers: int, num_blocks: int, host: bool = False
-    ) -> list[tuple[torch.Tensor, ...]]:
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The element type of the cache tensors (uint8 for FP8)."""
+        return self.kv_format.storage_dtype(self.dtype)
+
+    def allocate_cache(self, num_layers: int, num_blocks: int, host: bool = False) -> list[LayerKV]:
         shape = (self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
         device = "cpu" if host else self.device
         pin = host and self.device.type == "cuda"
-        return [
-            tuple(
-                torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
-                for _ in range(2)
-            )
-            for _ in range(num_layers)
-        ]
+
+        def tensor() -> torch.Tensor:
+            return torch.zeros(shape, dtype=self.cache_dtype, device=device, pin_memory=pin)
+
+        pending = self.calculate_kv_scales and not host
+        return [LayerKV(tensor(), tensor(), scales_pending=pending) for _ in range(num_layers)]
 
     # ----- per step ---------------------------------------------------------------------
 
@@ -218,41 +234,59 @@ class TorchAttentionBackend:
 
     def forward(
         self,
-        cache: tuple[torch.Tensor, torch.Tensor],
+        cache: LayerKV,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         meta: TorchAttentionMetadata,
     ) -> torch.Tensor:
-        k_cache, v_cache = cache
-        self._write(k_cache, v_cache, k, v, meta.slot_mapping)
+        self._write(cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         nr = meta.num_rows
         if nr:
-            out[:nr] = self._row_wise(k_cache, v_cache, q[:nr], meta)
+            out[:nr] = self._row_wise(cache, q[:nr], meta)
+        if meta.prefills and self.kv_format.fp8 is not None:
+            k, v = self._as_cached(k, cache.k_scale), self._as_cached(v, cache.v_scale)
         for chunk in meta.prefills:
             sl = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            out[sl] = self._prefill(k_cache, v_cache, q[sl], k[sl], v[sl], chunk)
+            out[sl] = self._prefill(cache, q[sl], k[sl], v[sl], chunk)
         batch = meta.kernel_prefills
         if batch is not None:
             start = batch.token_start
             self.prefill_kernel(
                 q[start:].contiguous(),
-                k_cache,
-                v_cache,
+                cache.k,
+                cache.v,
                 batch.block_tables,
                 batch.query_starts,
                 batch.start_pos,
                 out[start:],
-                self.scale,
+                self.scale * cache.k_scale,
                 batch.max_chunk_tokens,
+                **self._kernel_kv_args(cache),
             )
         return out.view(q.shape[0], -1)
 
-    def _write(self, k_cache, v_cache, k, v, slot_mapping) -> None:
-        hkv, nb, bs, d = k_cache.shape
-        k_cache.view(hkv, nb * bs, d).index_copy_(1, slot_mapping, k.transpose(0, 1))
-        v_cache.view(hkv, nb * bs, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
+    def _kernel_kv_args(self, cache: LayerKV) -> dict:
+        """An FP8 cache's code and v_scale for the C++ kernels (nothing for a plain cache, so
+        that a kernel without FP8, as the Triton one, keeps its signature)."""
+        if self.kv_format.fp8 is None:
+            return {}
+        return {"kv_code": self.kv_format.kernel_code, "v_scale": cache.v_scale}
+
+    def _write(self, cache: LayerKV, k, v, slot_mapping) -> None:
+        if self.kv_format.fp8 is not None:
+            if cache.scales_pending:
+                cache.take_scales_from(k, v)
+            k = self.kv_format.quantize(k, cache.k_scale)
+            v = self.kv_format.quantize(v, cache.v_scale)
+        hkv, nb, bs, d = cache.k.shape
+        cache.k.view(hkv, nb * bs, d).index_copy_(1, slot_mapping, k.transpose(0, 1))
+        cache.v.view(hkv, nb * bs, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+    def _as_cached(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        """x as an FP8 cache holds it (quantized and back)."""
+        return self.kv_format.dequantize(self.kv_format.quantize(x, scale), scale, x.dtype)
 
     def _gather(self, cache: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None):
         hkv, nb, bs, d = cache.shape
@@ -261,22 +295,32 @@ class TorchAttentionBackend:
             return rows.index_select(0, idx)
         return torch.index_select(rows, 0, idx, out=out.view(-1, bs * d))
 
-    def _row_wise(self, k_cache, v_cache, q: torch.Tensor, meta: TorchAttentionMetadata):
+    def _gather_values(
+        self, cache: torch.Tensor, scale: float, idx: torch.Tensor, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The rows ``idx`` of a cache as values in the compute dtype (into ``out`` if given)."""
+        if self.kv_format.fp8 is None:
+            return self._gather(cache, idx, out)
+        rows = self.kv_format.dequantize(self._gather(cache, idx, None), scale, self.dtype)
+        return rows if out is None else out.view(rows.shape).copy_(rows)
+
+    def _row_wise(self, cache: LayerKV, q: torch.Tensor, meta: TorchAttentionMetadata):
         b = q.shape[0]
         if meta.row_block_tables is not None:
             out = torch.empty_like(q)
             self.decode_kernel(
                 q.contiguous(),
-                k_cache,
-                v_cache,
+                cache.k,
+                cache.v,
                 meta.row_block_tables,
                 meta.row_context_lens,
                 out,
-                self.scale,
+                self.scale * cache.k_scale,
+                **self._kernel_kv_args(cache),
             )
             return out
-        self._gather(k_cache, meta.decode_gather_idx, meta.k_buf)
-        self._gather(v_cache, meta.decode_gather_idx, meta.v_buf)
+        self._gather_values(cache.k, cache.k_scale, meta.decode_gather_idx, meta.k_buf)
+        self._gather_values(cache.v, cache.v_scale, meta.decode_gather_idx, meta.v_buf)
         keys, values = meta.k_buf, meta.v_buf  # [B, Hkv, L, D]
         if q.dtype == torch.float32 or self.fused_sdpa:
             qh = q.view(b, self.num_heads, 1, self.head_dim)
@@ -300,14 +344,15 @@ class TorchAttentionBackend:
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         return torch.matmul(probs, values)
 
-    def _prefill(self, k_cache, v_cache, q, k, v, chunk: PrefillChunk) -> torch.Tensor:
+    def _prefill(self, cache: LayerKV, q, k, v, chunk: PrefillChunk) -> torch.Tensor:
         n, ctx = chunk.num_tokens, chunk.start_pos + chunk.num_tokens
         if chunk.gather_idx is None:
             keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, n, D]
         else:
             shape = (self.num_kv_heads, -1, self.head_dim)
-            keys = self._gather(k_cache, chunk.gather_idx, None).view(shape)[:, :ctx]
-            values = self._gather(v_cache, chunk.gather_idx, None).view(shape)[:, :ctx]
+            idx = chunk.gather_idx
+            keys = self._gather_values(cache.k, cache.k_scale, idx, None).view(shape)[:, :ctx]
+            values = self._gather_values(cache.v, cache.v_scale, idx, None).view(shape)[:, :ctx]
         if q.dtype == torch.float32 or self.fused_sdpa:
             mask = None
             if chunk.gather_idx is not None:

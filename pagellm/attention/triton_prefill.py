@@ -94,8 +94,9 @@ class TritonPrefillKernel:
         self.block_n = block_n
 
     @staticmethod
-    def supports(dtype: torch.dtype) -> bool:
-        return dtype in (torch.float32, torch.bfloat16, torch.float16)
+    def supports(dtype: torch.dtype, kv_code: int = 0) -> bool:
+        """``kv_code`` 0: the cache holds ``dtype`` (an FP8 cache is not read here)."""
+        return dtype in (torch.float32, torch.bfloat16, torch.float16) and kv_code == 0
 
     def __call__(
         self,

@@ -21,11 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagellm.config import DEVICES, QUANTIZATION_METHODS, EngineConfig, flat_fields
+from pagellm.config import (
+    DEVICES,
+    KV_CACHE_DTYPES,
+    QUANTIZATION_METHODS,
+    EngineConfig,
+    flat_fields,
+)
 
 # vLLM engine arguments pagellm accepts only at the values that mean "nothing special".
 _VLLM_ONLY = {
-    "kv_cache_dtype": ("auto", None),
     "trust_remote_code": (False, None),
 }
 
@@ -258,11 +263,13 @@ def _engine_args(values: Any, where: str) -> tuple[dict[str, Any], list[str]]:
         if key not in fields_by_name:
             raise ClusterConfigError(f"{where}: engine_args: unknown key {key!r}")
         _check_type(value, fields_by_name[key], f"{where}: engine_args.{key}")
-        if key == "quantization" and value is not None and value not in QUANTIZATION_METHODS:
-            raise ClusterConfigError(
-                f"{where}: engine_args.quantization={value!r} is not supported by pagellm "
-                f"(one of {', '.join(QUANTIZATION_METHODS)})"
-            )
+        for name, known in (("quantization", QUANTIZATION_METHODS),
+                            ("kv_cache_dtype", KV_CACHE_DTYPES)):  # fmt: skip
+            if key == name and value is not None and value not in known:
+                raise ClusterConfigError(
+                    f"{where}: engine_args.{key}={value!r} is not supported by pagellm "
+                    f"(one of {', '.join(known)})"
+                )
         args[key] = value
     return args, notes
 

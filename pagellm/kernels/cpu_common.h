@@ -1,5 +1,5 @@
-// What the CPU kernels share: bf16 <-> fp32 conversion and the vector width of the GCC vector
-// types. The vector width is set at build time from the CPU (-march=native): 16 floats with
+// What the CPU kernels share: bf16 <-> fp32 and fp8 -> fp32 conversion and the vector width of
+// the GCC vector types. The vector width is set at build time from the CPU (-march=native): 16 floats with
 // AVX-512, 8 otherwise; PAGELLM_VEC_WIDTH overrides it (tests build both widths on one machine:
 // GCC lowers a 16-wide vector to two 8-wide ones where AVX-512 is missing).
 #pragma once
@@ -15,6 +15,38 @@ inline float to_float(uint16_t x) {  // bf16 -> fp32: the bits move up 16 places
   std::memcpy(&f, &u, 4);
   return f;
 }
+// An FP8 KV cache holds bytes (torch's float8_e4m3fn or float8_e5m2 bits); the tag types let a
+// kernel template tell them apart from each other and from bf16.
+struct fp8_e4m3 {
+  uint8_t bits;
+};
+struct fp8_e5m2 {
+  uint8_t bits;
+};
+
+// Every value of an FP8 format, computed at compile time (exactly: powers of two by doubling).
+// E4M3 ("fn"): bias 7, no infinities, 0x7F / 0xFF are NaN; E5M2: bias 15, IEEE-like. The cache
+// writer saturates, so neither NaN nor infinity is ever stored.
+struct Fp8Table {
+  float v[256];
+  constexpr explicit Fp8Table(int exp_bits) : v() {
+    const int man_bits = 7 - exp_bits;
+    const int bias = (1 << (exp_bits - 1)) - 1;
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> man_bits) & ((1 << exp_bits) - 1);
+      const int m = b & ((1 << man_bits) - 1);
+      float x = static_cast<float>(m) / static_cast<float>(1 << man_bits) + (e == 0 ? 0.f : 1.f);
+      for (int p = (e == 0 ? 1 : e) - bias; p > 0; --p) x *= 2.f;
+      for (int p = (e == 0 ? 1 : e) - bias; p < 0; ++p) x *= 0.5f;
+      v[b] = (b & 0x80) ? -x : x;
+    }
+  }
+};
+inline constexpr Fp8Table kE4M3(4);
+inline constexpr Fp8Table kE5M2(5);
+inline float to_float(fp8_e4m3 x) { return kE4M3.v[x.bits]; }
+inline float to_float(fp8_e5m2 x) { return kE5M2.v[x.bits]; }
+
 inline void store(float* dst, float x) { *dst = x; }
 inline void store(uint16_t* dst, float x) {
   uint32_t u;

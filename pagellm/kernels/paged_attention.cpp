@@ -2,6 +2,9 @@
 // the block-paged cache (no gathered copy). Layout of each cache: [kv_heads, blocks, block, dim].
 // Work is split over (sequence, kv head) pairs on a few std::threads; each pair handles the
 // `group` query heads that share its KV head. Scores and accumulation are float32.
+// Templates take T, the type of q and out (float or bf16), and C, the cache's element type: T,
+// or FP8 (E4M3 / E5M2 bytes). An FP8 cache holds K / k_scale and V / v_scale: k_scale is folded
+// into `scale` by the caller, v_scale multiplies the output.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -28,6 +31,7 @@ struct Args {
   void* out;
   int batch, num_heads, num_kv_heads, head_dim, num_blocks, block_size, max_blocks;
   float scale;
+  float v_scale;
 };
 
 #if defined(__AVX512F__)
@@ -35,6 +39,18 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+// FP8 -> fp16 bits -> fp32. E5M2 is the upper byte of an fp16. E4M3's exponent and mantissa moved
+// up 7 places read as an fp16 of 2^-8 times the value, subnormals included: one multiply fixes it.
+inline __m512 load16(const fp8_e5m2* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8));
+}
+inline __m512 load16(const fp8_e4m3* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
 }
 
 // e^x for x <= 0 (softmax inputs after subtracting the max): 2^(x log2 e) split into 2^n * 2^f,
@@ -100,7 +116,7 @@ void softmax_avx512(float* s, int n) {
 // live in registers/L1; every K and V row of the context is read exactly once.
 // W = head_dim / 16 and G = the group size are compile-time so that the loops over them unroll
 // and the query rows and accumulators stay in registers.
-template <typename T, int W, int G>
+template <typename T, typename C, int W, int G>
 void attend_pair_avx512(const Args& a, int b, int kvh, std::vector<float>& scores,
                         std::vector<float>& acc_buf) {
   constexpr int group = G;
@@ -108,8 +124,8 @@ void attend_pair_avx512(const Args& a, int b, int kvh, std::vector<float>& score
   const int d = a.head_dim;
   const int ctx = a.context_lens[b];
   const T* q = static_cast<const T*>(a.q) + (static_cast<int64_t>(b) * a.num_heads + kvh * group) * d;
-  const T* kc = static_cast<const T*>(a.k_cache);
-  const T* vc = static_cast<const T*>(a.v_cache);
+  const C* kc = static_cast<const C*>(a.k_cache);
+  const C* vc = static_cast<const C*>(a.v_cache);
   const int32_t* table = a.block_tables + static_cast<int64_t>(b) * a.max_blocks;
   const int64_t head_base = static_cast<int64_t>(kvh) * a.num_blocks * a.block_size;
   __m512 qv[G * W];
@@ -117,7 +133,7 @@ void attend_pair_avx512(const Args& a, int b, int kvh, std::vector<float>& score
   for (int g = 0; g < group; ++g)
     for (int x = 0; x < w; ++x) qv[g * w + x] = _mm512_mul_ps(load16(q + g * d + x * 16), scale);
   scores.resize(static_cast<size_t>(group) * ctx);
-  const int64_t block_bytes = static_cast<int64_t>(a.block_size) * d * sizeof(T);
+  const int64_t block_bytes = static_cast<int64_t>(a.block_size) * d * sizeof(C);
   const int num_ctx_blocks = (ctx + a.block_size - 1) / a.block_size;
   for (int blk = 0; blk < std::min(2, num_ctx_blocks); ++blk) {
     prefetch_block(kc + (head_base + static_cast<int64_t>(table[blk]) * a.block_size) * d,
@@ -126,7 +142,7 @@ void attend_pair_avx512(const Args& a, int b, int kvh, std::vector<float>& score
   // Walk the context block by block (no integer division per row); blocks lie at random places
   // in the cache, so the block after next is prefetched while this one is computed.
   for (int j0 = 0, blk = 0; j0 < ctx; j0 += a.block_size, ++blk) {
-   const T* kblock = kc + (head_base + static_cast<int64_t>(table[blk]) * a.block_size) * d;
+   const C* kblock = kc + (head_base + static_cast<int64_t>(table[blk]) * a.block_size) * d;
    if (j0 + 2 * a.block_size < ctx) {
      prefetch_block(kc + (head_base + static_cast<int64_t>(table[blk + 2]) * a.block_size) * d,
                     block_bytes);
@@ -149,7 +165,7 @@ void attend_pair_avx512(const Args& a, int b, int kvh, std::vector<float>& score
    }
    for (; r < rows; ++r) {
     const int j = j0 + r;
-    const T* k = kblock + static_cast<int64_t>(r) * d;
+    const C* k = kblock + static_cast<int64_t>(r) * d;
     __m512 kv[W];
     for (int x = 0; x < w; ++x) kv[x] = load16(k + x * 16);
     for (int g = 0; g < group; ++g) {
@@ -167,7 +183,7 @@ void attend_pair_avx512(const Args& a, int b, int kvh, std::vector<float>& score
   __m512 acc[G * W];
   for (int i = 0; i < group * w; ++i) acc[i] = _mm512_setzero_ps();
   for (int j0 = 0, blk = 0; j0 < ctx; j0 += a.block_size, ++blk) {
-   const T* vblock = vc + (head_base + static_cast<int64_t>(table[blk]) * a.block_size) * d;
+   const C* vblock = vc + (head_base + static_cast<int64_t>(table[blk]) * a.block_size) * d;
    if (j0 + 2 * a.block_size < ctx) {
      prefetch_block(vc + (head_base + static_cast<int64_t>(table[blk + 2]) * a.block_size) * d,
                     block_bytes);
@@ -175,7 +191,7 @@ void attend_pair_avx512(const Args& a, int b, int kvh, std::vector<float>& score
    const int rows = std::min(a.block_size, ctx - j0);
    for (int r = 0; r < rows; ++r) {
     const int j = j0 + r;
-    const T* v = vblock + static_cast<int64_t>(r) * d;
+    const C* v = vblock + static_cast<int64_t>(r) * d;
     __m512 vv[W];
     for (int x = 0; x < w; ++x) vv[x] = load16(v + x * 16);
     for (int g = 0; g < group; ++g) {
@@ -185,32 +201,34 @@ void attend_pair_avx512(const Args& a, int b, int kvh, std::vector<float>& score
    }
   }
   acc_buf.resize(static_cast<size_t>(group) * d);
-  for (int i = 0; i < group * w; ++i) _mm512_storeu_ps(acc_buf.data() + i * 16, acc[i]);
+  const __m512 v_scale = _mm512_set1_ps(a.v_scale);
+  for (int i = 0; i < group * w; ++i)
+    _mm512_storeu_ps(acc_buf.data() + i * 16, _mm512_mul_ps(acc[i], v_scale));
   T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.num_heads + kvh * group) * d;
   for (int i = 0; i < group * d; ++i) store(out + i, acc_buf[i]);
 }
 
-template <typename T, int W>
+template <typename T, typename C, int W>
 void (*pick_group(int group))(const Args&, int, int, std::vector<float>&, std::vector<float>&) {
   switch (group) {
-    case 1: return attend_pair_avx512<T, W, 1>;
-    case 2: return attend_pair_avx512<T, W, 2>;
-    case 3: return attend_pair_avx512<T, W, 3>;
-    case 4: return attend_pair_avx512<T, W, 4>;
-    case 5: return attend_pair_avx512<T, W, 5>;
-    case 6: return attend_pair_avx512<T, W, 6>;
-    case 7: return attend_pair_avx512<T, W, 7>;
-    case 8: return attend_pair_avx512<T, W, 8>;
+    case 1: return attend_pair_avx512<T, C, W, 1>;
+    case 2: return attend_pair_avx512<T, C, W, 2>;
+    case 3: return attend_pair_avx512<T, C, W, 3>;
+    case 4: return attend_pair_avx512<T, C, W, 4>;
+    case 5: return attend_pair_avx512<T, C, W, 5>;
+    case 6: return attend_pair_avx512<T, C, W, 6>;
+    case 7: return attend_pair_avx512<T, C, W, 7>;
+    case 8: return attend_pair_avx512<T, C, W, 8>;
     default: return nullptr;
   }
 }
 
 // The vectorized pair for this shape, or nullptr (then the portable loop runs).
-template <typename T>
+template <typename T, typename C>
 void (*pick_avx512(int head_dim, int group))(const Args&, int, int, std::vector<float>&,
                                               std::vector<float>&) {
-  if (head_dim == 64) return pick_group<T, 4>(group);
-  if (head_dim == 128) return pick_group<T, 8>(group);
+  if (head_dim == 64) return pick_group<T, C, 4>(group);
+  if (head_dim == 128) return pick_group<T, C, 8>(group);
   return nullptr;
 }
 #endif
@@ -226,6 +244,25 @@ inline __m256 load8(const uint16_t* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
+#if defined(__F16C__)
+// FP8 -> fp16 bits -> fp32, as load16 above.
+inline __m256 load8(const fp8_e5m2* p) {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(raw), 8));
+}
+inline __m256 load8(const fp8_e4m3* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+}
+#else
+template <typename F>
+inline __m256 load8(const F* p) {  // FP8 without F16C: the table
+  return _mm256_setr_ps(to_float(p[0]), to_float(p[1]), to_float(p[2]), to_float(p[3]),
+                        to_float(p[4]), to_float(p[5]), to_float(p[6]), to_float(p[7]));
+}
+#endif
 
 // [sum(a), sum(b), sum(c), sum(d)]
 inline __m128 hsum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -297,7 +334,7 @@ std::pair<float, float> exp_avx2(float* s, int n) {
 // Keys [lo, hi) of one (sequence, kv head) pair: per query head of the group, the output not yet
 // divided by its softmax sum (part[g * d ...]), then the max (part[group * d + g]) and the sum
 // (part[group * d + group + g]) of its scores.
-template <typename T, int W>
+template <typename T, typename C, int W>
 void attend_part_avx2(const Args& a, int b, int kvh, int lo, int hi, std::vector<float>& scores,
                       float* part) {
   const int group = a.num_heads / a.num_kv_heads;
@@ -306,11 +343,11 @@ void attend_part_avx2(const Args& a, int b, int kvh, int lo, int hi, std::vector
   const T* q = static_cast<const T*>(a.q) + (static_cast<int64_t>(b) * a.num_heads + kvh * group) * d;
   const int32_t* table = a.block_tables + static_cast<int64_t>(b) * a.max_blocks;
   const int64_t head_base = static_cast<int64_t>(kvh) * a.num_blocks * a.block_size;
-  const T* kc = static_cast<const T*>(a.k_cache);
-  const T* vc = static_cast<const T*>(a.v_cache);
+  const C* kc = static_cast<const C*>(a.k_cache);
+  const C* vc = static_cast<const C*>(a.v_cache);
   scores.resize(static_cast<size_t>(group) * ctx);
   std::fill(part, part + static_cast<size_t>(group) * d, 0.f);
-  const T* rows[SLICE];
+  const C* rows[SLICE];
   const __m256 scale = _mm256_set1_ps(a.scale);
   for (int j0 = 0; j0 < ctx; j0 += SLICE) {
     const int n = std::min(SLICE, ctx - j0);
@@ -415,7 +452,7 @@ void run_avx2(const Args& a, int num_threads, PartFn fn) {
         for (int x = 0; x < d; ++x) {
           float acc = 0.f;
           for (int i = 0; i < parts; ++i) acc += buf[(first + i) * stride + g * d + x] * w[i];
-          store(out + g * d + x, acc / total);
+          store(out + g * d + x, acc / total * a.v_scale);
         }
       }
     }
@@ -423,10 +460,10 @@ void run_avx2(const Args& a, int num_threads, PartFn fn) {
 }
 
 // The vectorized part for this head size, or nullptr (then the portable loop runs).
-template <typename T>
+template <typename T, typename C>
 PartFn pick_avx2(int head_dim) {
-  if (head_dim == 64) return attend_part_avx2<T, 8>;
-  if (head_dim == 128) return attend_part_avx2<T, 16>;
+  if (head_dim == 64) return attend_part_avx2<T, C, 8>;
+  if (head_dim == 128) return attend_part_avx2<T, C, 16>;
   return nullptr;
 }
 #endif
@@ -452,15 +489,15 @@ inline void softmax(float* s, int n) {
 #endif
 }
 
-template <typename T>
+template <typename T, typename C>
 void attend_pair(const Args& a, int b, int kvh, std::vector<float>& scores,
                  std::vector<float>& acc, std::vector<float>& qf) {
   const int group = a.num_heads / a.num_kv_heads;
   const int d = a.head_dim;
   const int ctx = a.context_lens[b];
   const T* q = static_cast<const T*>(a.q) + (static_cast<int64_t>(b) * a.num_heads + kvh * group) * d;
-  const T* kc = static_cast<const T*>(a.k_cache);
-  const T* vc = static_cast<const T*>(a.v_cache);
+  const C* kc = static_cast<const C*>(a.k_cache);
+  const C* vc = static_cast<const C*>(a.v_cache);
   const int32_t* table = a.block_tables + static_cast<int64_t>(b) * a.max_blocks;
   const int64_t head_base = static_cast<int64_t>(kvh) * a.num_blocks * a.block_size;
   scores.assign(static_cast<size_t>(group) * ctx, 0.f);
@@ -471,7 +508,7 @@ void attend_pair(const Args& a, int b, int kvh, std::vector<float>& scores,
   for (int j = 0; j < ctx; ++j) {
     const int64_t row = (head_base + static_cast<int64_t>(table[j / a.block_size]) * a.block_size +
                          j % a.block_size) * d;
-    const T* k = kc + row;
+    const C* k = kc + row;
     for (int g = 0; g < group; ++g) {
       const float* qg = qf.data() + g * d;
       float s = 0.f;
@@ -483,7 +520,7 @@ void attend_pair(const Args& a, int b, int kvh, std::vector<float>& scores,
   for (int j = 0; j < ctx; ++j) {
     const int64_t row = (head_base + static_cast<int64_t>(table[j / a.block_size]) * a.block_size +
                          j % a.block_size) * d;
-    const T* v = vc + row;
+    const C* v = vc + row;
     for (int g = 0; g < group; ++g) {
       const float p = scores[static_cast<size_t>(g) * ctx + j];
       float* ag = acc.data() + g * d;
@@ -491,18 +528,18 @@ void attend_pair(const Args& a, int b, int kvh, std::vector<float>& scores,
     }
   }
   T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.num_heads + kvh * group) * d;
-  for (int i = 0; i < group * d; ++i) store(out + i, acc[i]);
+  for (int i = 0; i < group * d; ++i) store(out + i, acc[i] * a.v_scale);
 }
 
-template <typename T>
+template <typename T, typename C>
 void run(const Args& a, int num_threads) {
   const int pairs = a.batch * a.num_kv_heads;
   using PairFn = void (*)(const Args&, int, int, std::vector<float>&, std::vector<float>&);
   PairFn vectorized = nullptr;
 #if defined(__AVX512F__)
-  vectorized = pick_avx512<T>(a.head_dim, a.num_heads / a.num_kv_heads);
+  vectorized = pick_avx512<T, C>(a.head_dim, a.num_heads / a.num_kv_heads);
 #elif defined(__AVX2__) && defined(__FMA__)
-  if (PartFn part = pick_avx2<T>(a.head_dim)) {
+  if (PartFn part = pick_avx2<T, C>(a.head_dim)) {
     run_avx2<T>(a, num_threads, part);
     return;
   }
@@ -513,7 +550,7 @@ void run(const Args& a, int num_threads) {
       if (vectorized != nullptr) {
         vectorized(a, p / a.num_kv_heads, p % a.num_kv_heads, scores, acc);
       } else {
-        attend_pair<T>(a, p / a.num_kv_heads, p % a.num_kv_heads, scores, acc, qf);
+        attend_pair<T, C>(a, p / a.num_kv_heads, p % a.num_kv_heads, scores, acc, qf);
       }
     }
   };
@@ -524,22 +561,29 @@ void run(const Args& a, int num_threads) {
   for (auto& th : threads) th.join();
 }
 
+template <typename T>
+int run_cache(int kv_code, const Args& a, int num_threads) {
+  switch (kv_code) {
+    case 0: run<T, T>(a, num_threads); return 0;
+    case 1: run<T, fp8_e4m3>(a, num_threads); return 0;
+    case 2: run<T, fp8_e5m2>(a, num_threads); return 0;
+    default: return 3;
+  }
+}
+
 }  // namespace
 
 extern "C" int paged_decode_attention(
-    int dtype_code,  // 0 = float32, 1 = bfloat16
+    int dtype_code,  // q and out: 0 = float32, 1 = bfloat16
+    int kv_code,     // the caches: 0 = as q, 1 = fp8 e4m3, 2 = fp8 e5m2
     const void* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,
     const int32_t* context_lens, void* out, int batch, int num_heads, int num_kv_heads,
-    int head_dim, int num_blocks, int block_size, int max_blocks, float scale, int num_threads) {
+    int head_dim, int num_blocks, int block_size, int max_blocks, float scale, float v_scale,
+    int num_threads) {
   Args a{q, k_cache, v_cache, block_tables, context_lens, out, batch, num_heads, num_kv_heads,
-         head_dim, num_blocks, block_size, max_blocks, scale};
+         head_dim, num_blocks, block_size, max_blocks, scale, v_scale};
   if (num_heads % num_kv_heads != 0) return 1;
-  if (dtype_code == 0) {
-    run<float>(a, num_threads);
-  } else if (dtype_code == 1) {
-    run<uint16_t>(a, num_threads);
-  } else {
-    return 2;
-  }
-  return 0;
+  if (dtype_code == 0) return run_cache<float>(kv_code, a, num_threads);
+  if (dtype_code == 1) return run_cache<uint16_t>(kv_code, a, num_threads);
+  return 2;
 }

@@ -1,4 +1,10 @@
-"""Python face of the C++ paged decode-attention kernel (see paged_attention.cpp)."""
+"""Python faces of the C++ paged attention kernels (paged_attention.cpp: decode rows,
+paged_prefill.cpp: prefill chunks).
+
+Both read a cache of q's dtype or an FP8 one (``kv_code`` 1: E4M3, 2: E5M2, held as uint8 bytes
+of K / k_scale and V / v_scale): the caller passes ``scale * k_scale`` as the softmax scale and
+``v_scale``, which multiplies the output.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,12 @@ import torch
 from pagellm.kernels.cpu_build import build_library
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_KV_CODES = (0, 1, 2)
+"""0: the cache holds q's dtype; 1: FP8 E4M3 bytes; 2: FP8 E5M2 bytes."""
+
+
+def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, kv_code: int) -> None:
+    assert k_cache.dtype == (q.dtype if kv_code == 0 else torch.uint8), (q.dtype, k_cache.dtype)
 
 
 class PagedDecodeKernel:
@@ -18,19 +30,16 @@ class PagedDecodeKernel:
         fn = lib.paged_decode_attention
         fn.restype = ctypes.c_int
         fn.argtypes = (
-            [ctypes.c_int]
+            [ctypes.c_int] * 2
             + [ctypes.c_void_p] * 6
             + [ctypes.c_int] * 7
-            + [
-                ctypes.c_float,
-                ctypes.c_int,
-            ]
+            + [ctypes.c_float, ctypes.c_float, ctypes.c_int]
         )
         self._fn = fn
 
     @staticmethod
-    def supports(dtype: torch.dtype) -> bool:
-        return dtype in _DTYPE_CODES
+    def supports(dtype: torch.dtype, kv_code: int = 0) -> bool:
+        return dtype in _DTYPE_CODES and kv_code in _KV_CODES
 
     def __call__(
         self,
@@ -41,14 +50,18 @@ class PagedDecodeKernel:
         context_lens: torch.Tensor,
         out: torch.Tensor,
         scale: float,
+        kv_code: int = 0,
+        v_scale: float = 1.0,
     ) -> None:
         """q/out [B, Hq, D]; caches [Hkv, blocks, block_size, D]; int32 tables [B, max_blocks]."""
         assert q.is_contiguous() and out.is_contiguous() and block_tables.is_contiguous()
         assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
+        _check_cache(q, k_cache, kv_code)
         b, hq, d = q.shape
         hkv, nb, bs, _ = k_cache.shape
         rc = self._fn(
             _DTYPE_CODES[q.dtype],
+            kv_code,
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -63,14 +76,17 @@ class PagedDecodeKernel:
             bs,
             block_tables.shape[1],
             scale,
+            v_scale,
             torch.get_num_threads(),
         )
         if rc != 0:
             raise RuntimeError(f"paged_decode_attention failed with code {rc}")
 
 
-def load_paged_decode_kernel() -> PagedDecodeKernel | None:
-    lib = build_library("paged_attention.cpp", ("-fopenmp",))  # torch's libgomp (AVX2 path)
+def load_paged_decode_kernel(extra_flags: tuple[str, ...] = ()) -> PagedDecodeKernel | None:
+    """The decode kernel built for this CPU; ``extra_flags`` build a variant (tests:
+    ``-mno-avx512f`` takes the AVX2 path on an AVX-512 machine)."""
+    lib = build_library("paged_attention.cpp", ("-fopenmp", *extra_flags))  # torch's libgomp
     return PagedDecodeKernel(lib) if lib is not None else None
 
 
@@ -82,17 +98,17 @@ class PagedPrefillKernel:
         fn = lib.paged_prefill_attention
         fn.restype = ctypes.c_int
         fn.argtypes = (
-            [ctypes.c_int]
+            [ctypes.c_int] * 2
             + [ctypes.c_void_p] * 7
             + [ctypes.c_int] * 7
-            + [ctypes.c_float, ctypes.c_int]
+            + [ctypes.c_float, ctypes.c_float, ctypes.c_int]
         )
         self._fn = fn
         self.vector_width = int(lib.paged_prefill_vector_width())
 
     @staticmethod
-    def supports(dtype: torch.dtype) -> bool:
-        return dtype in _DTYPE_CODES
+    def supports(dtype: torch.dtype, kv_code: int = 0) -> bool:
+        return dtype in _DTYPE_CODES and kv_code in _KV_CODES
 
     def __call__(
         self,
@@ -105,6 +121,8 @@ class PagedPrefillKernel:
         out: torch.Tensor,
         scale: float,
         max_chunk_tokens: int | None = None,
+        kv_code: int = 0,
+        v_scale: float = 1.0,
     ) -> None:
         """q/out [T, Hq, D]; caches [Hkv, blocks, block_size, D]; int32 ``block_tables``
         [chunks, max_blocks], ``query_starts`` [chunks + 1] (token offsets into q) and
@@ -114,11 +132,13 @@ class PagedPrefillKernel:
             assert t.is_contiguous()
         for t in (block_tables, query_starts, start_pos):
             assert t.dtype == torch.int32
-        assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype
+        assert q.dtype == out.dtype and k_cache.dtype == v_cache.dtype
+        _check_cache(q, k_cache, kv_code)
         _, hq, d = q.shape
         hkv, nb, bs, _ = k_cache.shape
         rc = self._fn(
             _DTYPE_CODES[q.dtype],
+            kv_code,
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -134,6 +154,7 @@ class PagedPrefillKernel:
             bs,
             block_tables.shape[1],
             scale,
+            v_scale,
             torch.get_num_threads(),
         )
         if rc != 0:

@@ -10,6 +10,10 @@
 // broadcast scalars read in place (fp32) or from a converted key tile (bf16), the softmax max,
 // exp and sum are lane-parallel, and no K^T packing is needed. Accumulation is fp32.
 //
+// The cache's elements are q's type (fp32 or bf16) or FP8 bytes (E4M3 / E5M2), converted into
+// the key tile; an FP8 cache holds K / k_scale and V / v_scale: k_scale is folded into `scale` by
+// the caller, v_scale multiplies the output.
+//
 // The vector width comes from the CPU at build time (cpu_common.h).
 #include <algorithm>
 #include <cmath>
@@ -80,6 +84,7 @@ struct Args {
   void* out;
   int num_heads, num_kv_heads, head_dim, num_blocks, block_size, max_blocks;
   float scale;
+  float v_scale;
 };
 
 struct Item {
@@ -110,7 +115,7 @@ struct Scratch {
 };
 
 // Pointers to the fp32 rows of keys [k0, k0 + n) of one kv head: in place for an fp32 cache,
-// converted into `buf` for bf16.
+// converted into `buf` for bf16 and FP8.
 template <typename T>
 void key_rows(const Args& a, const T* cache, const int32_t* table, int64_t head_base, int k0,
               int n, float* buf, const float** rows) {
@@ -189,7 +194,7 @@ void accumulate_tile(const float* st, const float* const* vrow, int n, int d, co
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) {
   const int d = a.head_dim;
   const int group = a.num_heads / a.num_kv_heads;
@@ -225,8 +230,8 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
   const int first_pos = start + it.row0 / group;
   const int last_key = start + (it.row0 + it.rows - 1) / group + 1;
   const int kv_end = it.key_hi < 0 ? last_key : std::min(it.key_hi, last_key);
-  const T* kc = static_cast<const T*>(a.k_cache);
-  const T* vc = static_cast<const T*>(a.v_cache);
+  const C* kc = static_cast<const C*>(a.k_cache);
+  const C* vc = static_cast<const C*>(a.v_cache);
   // Every row sees the first key of the range (a split starts within the cached prefix), so
   // each row's max is finite after the first tile.
   for (int k0 = it.key_lo; k0 < kv_end; k0 += BK) {
@@ -271,6 +276,7 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
   }
   alignas(64) float inv[ROWS];
   for (int v = 0; v < MV; ++v) storev(inv + v * VW, 1.f / sum[v]);
+  for (int r = 0; r < ROWS; ++r) inv[r] *= a.v_scale;
   T* out = static_cast<T*>(a.out);
   for (int r = 0; r < it.rows; ++r) {
     const int row = it.row0 + r;
@@ -358,14 +364,14 @@ void merge_split(const Args& a, const Item& it, int first, int parts, Partials& 
     for (int x = 0; x < d; ++x) {
       float acc = 0.f;
       for (int p = 0; p < parts; ++p) acc += partials.ot(first + p)[x * ROWS + r] * weight[p];
-      store(dst + x, acc / total);
+      store(dst + x, acc / total * a.v_scale);
     }
   }
 }
 
 // Threads come from the OpenMP runtime torch already loaded (the library links libgomp by its
 // soname), so the kernel runs on torch's own pool: no threads of ours spinning against torch's.
-template <typename T>
+template <typename T, typename C>
 void run(const Args& a, int num_chunks, int num_threads) {
   const Plan plan = make_plan(a, num_chunks, std::max(1, num_threads));
   const int n = static_cast<int>(plan.items.size());
@@ -378,7 +384,7 @@ void run(const Args& a, int num_chunks, int num_threads) {
   {
     Scratch scratch(a.head_dim);
 #pragma omp for schedule(dynamic, 1)
-    for (int i = 0; i < n; ++i) attend_item<T>(a, plan.items[i], scratch, partials);
+    for (int i = 0; i < n; ++i) attend_item<T, C>(a, plan.items[i], scratch, partials);
 #pragma omp for schedule(static)
     for (int i = 0; i < static_cast<int>(plan.splits.size()); ++i) {
       merge_split<T>(a, plan.whole[i], plan.splits[i].first, plan.splits[i].second, partials);
@@ -386,25 +392,32 @@ void run(const Args& a, int num_chunks, int num_threads) {
   }
 }
 
+template <typename T>
+int run_cache(int kv_code, const Args& a, int num_chunks, int num_threads) {
+  switch (kv_code) {
+    case 0: run<T, T>(a, num_chunks, num_threads); return 0;
+    case 1: run<T, fp8_e4m3>(a, num_chunks, num_threads); return 0;
+    case 2: run<T, fp8_e5m2>(a, num_chunks, num_threads); return 0;
+    default: return 3;
+  }
+}
+
 }  // namespace
 
 extern "C" int paged_prefill_attention(
-    int dtype_code,  // 0 = float32, 1 = bfloat16
+    int dtype_code,  // q and out: 0 = float32, 1 = bfloat16
+    int kv_code,     // the caches: 0 = as q, 1 = fp8 e4m3, 2 = fp8 e5m2
     const void* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,
     const int32_t* query_starts, const int32_t* start_pos, void* out, int num_chunks,
     int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size, int max_blocks,
-    float scale, int num_threads) {
+    float scale, float v_scale, int num_threads) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
   Args a{q,         k_cache,      v_cache,  block_tables, query_starts, start_pos, out,
-         num_heads, num_kv_heads, head_dim, num_blocks,   block_size,   max_blocks, scale};
-  if (dtype_code == 0) {
-    run<float>(a, num_chunks, num_threads);
-  } else if (dtype_code == 1) {
-    run<uint16_t>(a, num_chunks, num_threads);
-  } else {
-    return 2;
-  }
-  return 0;
+         num_heads, num_kv_heads, head_dim, num_blocks,   block_size,   max_blocks, scale,
+         v_scale};
+  if (dtype_code == 0) return run_cache<float>(kv_code, a, num_chunks, num_threads);
+  if (dtype_code == 1) return run_cache<uint16_t>(kv_code, a, num_chunks, num_threads);
+  return 2;
 }
 
 extern "C" int paged_prefill_vector_width() { return VW; }

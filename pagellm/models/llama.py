@@ -94,6 +94,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.rotary = rotary
         self.backend = backend
+        self.kv_scales: tuple[float, float] | None = None
+        """The checkpoint's (k_scale, v_scale) for an FP8 KV cache, when it has them."""
+
+    def set_kv_scale(self, which: str, value: float) -> None:
+        k_scale, v_scale = self.kv_scales or (1.0, 1.0)
+        self.kv_scales = (value, v_scale) if which == "k" else (k_scale, value)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: Any, meta: Any):
         qkv = self.qkv_proj(x)
@@ -270,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             name = self._local_name(hf_name.removeprefix("model."))
-            if name is None:
+            if name is None or self._load_kv_scale(name, tensor):
                 continue
             target, shard = _target(name)
             if target not in params:
@@ -282,6 +288,18 @@ class LlamaForCausalLM(nn.Module):
             _copy_into(params[target], part, shard, self._shard_sizes(target), rows)
             loaded.add(target if shard is None else f"{target}#{shard}")
         self._check_complete(params, loaded)
+
+    def _load_kv_scale(self, name: str, tensor: Any) -> bool:
+        """Whether ``name`` is an attention layer's KV-cache scale (kept for an FP8 cache; a
+        per-head vector gives its largest value) or its query / probability scale (not used:
+        queries and probabilities stay in the compute dtype)."""
+        for suffix, which in _ATTENTION_SCALES.items():
+            if name.endswith(suffix):
+                if which is not None:
+                    index = int(name.split(".")[1])
+                    self.layers[index].self_attn.set_kv_scale(which, float(tensor.float().max()))
+                return True
+        return False
 
     def _load_targets(self) -> dict[str, Any]:
         """Checkpoint-named targets: parameters, and the quantized layers (``x.weight`` names
@@ -363,6 +381,18 @@ class LlamaForCausalLM(nn.Module):
                     missing.append(key)
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {missing[:5]}")
+
+
+_ATTENTION_SCALES = {
+    ".self_attn.k_scale": "k",
+    ".self_attn.v_scale": "v",
+    ".self_attn.k_proj.output_scale": "k",
+    ".self_attn.v_proj.output_scale": "v",
+    ".self_attn.q_scale": None,
+    ".self_attn.prob_scale": None,
+}
+"""Checkpoint scales of an attention layer: llm-compressor's ``kv_cache_scheme`` writes
+``self_attn.k_scale`` / ``v_scale`` (older versions ``k_proj.output_scale``)."""
 
 
 def _target(name: str) -> tuple[str, int | None]:

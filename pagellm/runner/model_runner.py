@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.attention.backend import SeqLayout, cache_bytes_per_block
+from pagellm.attention.kv_cache import kv_cache_format
 from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.config import GIB, CacheConfig, StepLimits
 from pagellm.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -132,6 +133,8 @@ class ModelRunner:
             decode_kernel=load_paged_decode_kernel() if device.type == "cpu" else None,
             device=device,
             prefill_kernel=_prefill_kernel(device),
+            kv_format=kv_cache_format(cache.kv_cache_dtype),
+            calculate_kv_scales=cache.calculate_kv_scales,
         )
         self.model = load_model(files, dtype, self.backend, comm, device)
         if device.type == "cpu":
@@ -146,15 +149,27 @@ class ModelRunner:
             budget = gpu_kv_budget(
                 device, cache.gpu_memory_utilization, lambda: self.profile_step(limits)
             )
-        self.num_blocks = num_blocks_for(arch, cache, dtype, comm, budget)
+        cache_dtype = self.backend.cache_dtype
+        self.num_blocks = num_blocks_for(arch, cache, cache_dtype, comm, budget)
         self.kv_caches = self.backend.allocate_cache(layers, self.num_blocks)
-        self.num_host_blocks = num_host_blocks_for(arch, cache, dtype, comm) if swap else 0
+        self.num_host_blocks = num_host_blocks_for(arch, cache, cache_dtype, comm) if swap else 0
         self.host_caches = self.backend.allocate_cache(layers, self.num_host_blocks, host=True)
+        self._set_checkpoint_kv_scales()
         """Separate host tensors for swapped-out KV (pinned under a GPU)."""
         self.sampler = Sampler()
         self.microbatches = microbatches if layout.pp_size > 1 else 1
         """Micro-batches per step under pipeline parallelism (one stage per process works on
         one while the next stage works on the one before)."""
+
+    def _set_checkpoint_kv_scales(self) -> None:
+        """An FP8 cache takes the checkpoint's per-layer k_scale / v_scale where it has them
+        (unless --calculate-kv-scales computes them from the first step)."""
+        if self.backend.kv_format.fp8 is None or self.backend.calculate_kv_scales:
+            return
+        for layer, cache in zip(self.model.layers, self.kv_caches, strict=True):
+            scales = layer.self_attn.kv_scales
+            if scales is not None:
+                cache.k_scale, cache.v_scale = scales
 
     def profile_step(self, limits: StepLimits) -> None:
         """This rank's part of the largest steps the scheduler may send, on a throwaway cache,
