@@ -213,3 +213,40 @@ def test_a_compressed_tensors_kv_cache_scheme_is_read_when_fp8():
     assert checkpoint_plan({**config, "kv_cache_scheme": fp8_kv}).method == "compressed-tensors"
     with pytest.raises(ValueError, match="kv_cache_scheme other than FP8"):
         checkpoint_plan({**config, "kv_cache_scheme": {**fp8_kv, "type": "int"}})
+
+
+def test_the_quantization_bench_measures_fp8_formats(tiny_models, tmp_path):
+    """`pagellm bench quantization` with FP8 weights and an FP8 KV cache, on the tiny model."""
+    import argparse
+
+    from pagellm.bench import quantization
+
+    chats = [
+        {"conversations": [{"from": "human", "value": f"question {i} " * (5 + i)},
+                           {"from": "gpt", "value": f"answer {i} " * (9 + 2 * i)}]}
+        for i in range(6)
+    ]  # fmt: skip
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(chats))
+    out = tmp_path / "q.json"
+    parser = argparse.ArgumentParser()
+    quantization.add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["quantization", "--model", str(tiny_models("llama")), "--formats",
+         "fp32,fp8,fp32+kv_fp8,bf16+kv_fp8_e5m2", "--num-chats", "4", "--skip-chats", "0",
+         "--agree-tokens", "6", "--batch-sizes", "1,3", "--input-len", "8", "--output-len", "4",
+         "--dataset-path", str(data), "--kv-cache-memory", "0.02", "--kv-budget-gib", "0.001",
+         "--max-model-len", "512",
+         "--output-json", str(out)]
+    )  # fmt: skip
+    assert args.func(args) == 0
+    formats = json.loads(out.read_text())["formats"]
+    assert set(formats) == {"fp32", "fp8", "fp32+kv_fp8", "bf16+kv_fp8_e5m2"}
+    assert formats["fp32+kv_fp8"]["kv_blocks"] == pytest.approx(
+        4 * formats["fp32"]["kv_blocks"], abs=4
+    )
+    at_once = {name: f["sharegpt_seqs_at_once"] for name, f in formats.items()}
+    assert at_once["fp32+kv_fp8"] > 3 * at_once["fp32"] > 0
+    for f in formats.values():
+        assert f["perplexity"] > 1 and f["speed"]["3"]["output_tok_per_s"] > 0
+    assert formats["fp8"]["weight_bytes"] < formats["fp32"]["weight_bytes"]

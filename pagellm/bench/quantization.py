@@ -8,8 +8,15 @@ start). Speed (``--what speed``): decode ms/step at each batch size (random prom
 ignored; only steps that decode every sequence are timed) and output tok/s, plus weight bytes.
 
 Formats are ``fp32`` / ``bf16`` (dense), ``int8`` / ``int4`` / ``fp8`` (quantized at load from
-the float checkpoint; fp8 is per-channel E4M3 weights with fp32 activations) and ``gguf`` (the GGUF file kept quantized, fp32 activations). A GGUF model is
-written out once as a float32 HF folder for the dense and online formats.
+the float checkpoint; fp8 is per-channel E4M3 weights with fp32 activations) and ``gguf`` (the
+GGUF file kept quantized, fp32 activations). A GGUF model is written out once as a float32 HF
+folder for the dense and online formats. A format may add ``+kv_fp8`` (or ``+kv_fp8_e5m2``):
+the same weights over an FP8 KV cache (scales 1.0, vLLM's default), so its perplexity and
+agreement measure the cache's rounding.
+
+Memory: weight bytes, the KV blocks ``--kv-cache-memory`` buys, and the ShareGPT sequences that
+fit at once in ``--kv-budget-gib`` without preemption (the held-out chats' prompt + reply
+tokens, taken in order and again from the start, each rounded up to whole blocks).
 """
 
 from __future__ import annotations
@@ -34,6 +41,15 @@ FORMATS = {
 }
 
 
+KV_SUFFIX = "+kv_"
+
+
+def _split(name: str) -> tuple[str, str]:
+    """``bf16+kv_fp8`` -> (``bf16``, ``fp8``); a plain format's cache is ``auto``."""
+    base, _, kv = name.partition(KV_SUFFIX)
+    return base, kv or "auto"
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("quantization", help="quality and speed of each weight format")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded)")
@@ -48,6 +64,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--dataset-path", default=None)
+    p.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB of KV cache")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-budget-gib", type=float, default=0.25,
+                   help="budget for the ShareGPT sequences-at-once figure")  # fmt: skip
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run)
     return p
@@ -59,23 +79,35 @@ def run(args: argparse.Namespace) -> int:
     source = Path(args.model).expanduser() if args.model else require_default_model()
     float_dir = _float_folder(source)
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    unknown = [f for f in formats if f not in FORMATS]
+    unknown = [f for f in formats if _split(f)[0] not in FORMATS or _split(f)[1] not in _KV]
     if unknown:
         raise SystemExit(f"unknown formats {unknown}; choose from {', '.join(FORMATS)}")
     what = {w.strip() for w in args.what.split(",")}
     env = rep.environment()
-    results: dict[str, Any] = {"environment": env, "model": str(source), "formats": {}}
+    results: dict[str, Any] = {
+        "environment": env,
+        "model": str(source),
+        "agree_tokens": args.agree_tokens,
+        "formats": {},
+    }
     chats = _held_out_chats(args) if "quality" in what else []
     reference_tokens: list[list[int]] | None = None
     for name in ["fp32", *[f for f in formats if f != "fp32"]] if "quality" in what else formats:
-        model = str(source) if name == "gguf" else str(float_dir)
-        if name == "gguf" and source.suffix != ".gguf":
+        gguf = _split(name)[0] == "gguf"
+        model = str(source) if gguf else str(float_dir)
+        if gguf and source.suffix != ".gguf":
             continue
         entry: dict[str, Any] = {}
-        llm = _open(model, name)
-        entry["weight_bytes"] = llm.engine.executor.memory_bytes()["weights"]
+        llm = _open(model, name, args)
+        memory = llm.engine.executor.memory_bytes()
+        entry["weight_bytes"] = memory["weights"]
+        entry["kv_blocks"] = llm.engine.executor.num_blocks
+        block_bytes = memory["kv_cache"] / entry["kv_blocks"]
         if "quality" in what:
             entry.update(_quality(llm, chats, args, reference_tokens))
+            lengths = entry.pop("_lengths")
+            budget_blocks = int(args.kv_budget_gib * 2**30 // block_bytes)
+            entry["sharegpt_seqs_at_once"] = _seqs_at_once(lengths, budget_blocks, llm)
             if name == "fp32":
                 reference_tokens = entry.pop("_tokens")
             else:
@@ -94,12 +126,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _open(model: str, name: str):
+_KV = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def _open(model: str, name: str, args: argparse.Namespace):
     from pagellm import LLM
 
-    dtype, quantization = FORMATS[name]
-    return LLM(model, dtype=dtype, quantization=quantization, max_model_len=2048,
-               kv_cache_memory=2.0, max_num_seqs=256)  # fmt: skip
+    base, kv = _split(name)
+    dtype, quantization = FORMATS[base]
+    return LLM(model, dtype=dtype, quantization=quantization, max_model_len=args.max_model_len,
+               kv_cache_memory=args.kv_cache_memory, max_num_seqs=256,
+               kv_cache_dtype=kv)  # fmt: skip
+
+
+def _seqs_at_once(lengths: list[int], blocks: int, llm) -> int:
+    """How many sequences of these token lengths (in order, cycling) fit in ``blocks``."""
+    size = llm.engine.executor.block_size
+    count, used = 0, 0
+    while lengths:
+        need = -(-lengths[count % len(lengths)] // size)
+        if used + need > blocks:
+            return count
+        used, count = used + need, count + 1
+    return 0
 
 
 def _float_folder(source: Path) -> Path:
@@ -142,12 +191,13 @@ def _quality(llm, chats, args, reference_tokens) -> dict[str, Any]:
     from pagellm import SamplingParams
 
     nll, count = 0.0, 0
-    prompts = []
+    prompts, lengths = [], []
     for user, reply in chats:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": user}])
         prompt_ids = llm.tokenizer.encode(prompt)[-args.max_prompt_tokens :]
         reply_ids = llm.tokenizer.encode(reply)[: args.max_reply_tokens]
         prompts.append(prompt_ids)
+        lengths.append(len(prompt_ids) + len(reply_ids))
         n, s = _reply_nll(llm, prompt_ids, reply_ids)
         nll, count = nll + s, count + n
     params = SamplingParams(temperature=0, max_tokens=args.agree_tokens, ignore_eos=True)
@@ -155,6 +205,7 @@ def _quality(llm, chats, args, reference_tokens) -> dict[str, Any]:
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     result: dict[str, Any] = {"perplexity": math.exp(nll / count), "scored_tokens": count}
     result["_tokens"] = tokens
+    result["_lengths"] = lengths
     if reference_tokens is not None:
         common = [_common_prefix(a, b) for a, b in zip(tokens, reference_tokens, strict=True)]
         result["identical_chats"] = sum(c == args.agree_tokens for c in common) / len(common)
@@ -257,8 +308,12 @@ def render(results: dict[str, Any]) -> str:
                 _num(f.get("identical_chats"), "{:.0%}"),
                 _num(f.get("mean_common_tokens"), "{:.1f}"),
                 f"{f['weight_bytes'] / 2**20:.0f}",
+                str(f.get("kv_blocks", "-")),
+                str(f.get("sharegpt_seqs_at_once", "-")),
             ])  # fmt: skip
-        headers = ["format", "perplexity", "vs bf16", "identical 48", "common toks", "MiB"]
+        agree = results.get("agree_tokens", 48)
+        headers = ["format", "perplexity", "vs bf16", f"identical {agree}", "common toks", "MiB",
+                   "KV blocks", "ShareGPT seqs at once"]  # fmt: skip
         lines += ["", rep.format_table(headers, rows)]
     if any("speed" in f for f in formats.values()):
         sizes = next(iter(f["speed"] for f in formats.values() if "speed" in f)).keys()
