@@ -44,5 +44,27 @@ gpu-carry: fetch-model
 	$(PY) -c "from pagellm.fetch import require_default_model as m; from pagellm.runner.tokenizer import Tokenizer as T; T.load(m(), None).hf.save_pretrained('.gpu-carry/tokenizer')"
 	$(PIP) download -q --no-deps -d .gpu-carry/wheels gguf
 
+# Quantized checkpoints of the default model with llm-compressor (scripts/quantize.py), written to
+# ~/.cache/pagellm/quantized/smollm2-SCHEME. llm-compressor pins transformers and
+# compressed-tensors to other versions than ours, so it lives in a venv of its own.
+QVENV := .venv-quantize
+QSTAMP := $(QVENV)/.installed
+QUANTIZED := $(HOME)/.cache/pagellm/quantized
+
+$(QSTAMP):
+	test -x $(QVENV)/bin/python || $(PYTHON) -m venv $(QVENV)
+	$(QVENV)/bin/pip install -q --upgrade pip
+	$(QVENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(QVENV)/bin/pip install -q llmcompressor==0.14.0.1
+	touch $(QSTAMP)
+
+QUANT_SCHEMES := fp8-dynamic fp8-kv w8a8 w4a16 awq
+.PHONY: $(addprefix quantize-,$(QUANT_SCHEMES))
+$(addprefix quantize-,$(QUANT_SCHEMES)): quantize-%: fetch-model $(QSTAMP)
+	$(PY) -m pagellm.fetch sharegpt
+	$(QVENV)/bin/python scripts/quantize.py --scheme $* --output $(QUANTIZED)/smollm2-$* \
+		--model "$$($(PY) -c 'from pagellm.bench.quantization import float_folder as f; from pagellm.fetch import require_default_model as m; print(f(m()))')" \
+		--sharegpt "$$($(PY) -m pagellm.fetch sharegpt | tail -1)"
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -236,12 +236,13 @@ def test_the_quantization_bench_measures_fp8_formats(tiny_models, tmp_path):
          "fp32,fp8,fp32+kv_fp8,bf16+kv_fp8_e5m2", "--num-chats", "4", "--skip-chats", "0",
          "--agree-tokens", "6", "--batch-sizes", "1,3", "--input-len", "8", "--output-len", "4",
          "--dataset-path", str(data), "--kv-cache-memory", "0.02", "--kv-budget-gib", "0.001",
-         "--max-model-len", "512",
+         "--max-model-len", "512", "--checkpoints", f"ckpt={tiny_models('llama')}",
          "--output-json", str(out)]
     )  # fmt: skip
     assert args.func(args) == 0
     formats = json.loads(out.read_text())["formats"]
-    assert set(formats) == {"fp32", "fp8", "fp32+kv_fp8", "bf16+kv_fp8_e5m2"}
+    assert set(formats) == {"fp32", "fp8", "fp32+kv_fp8", "bf16+kv_fp8_e5m2", "ckpt"}
+    assert formats["ckpt"]["perplexity"] == pytest.approx(formats["fp32"]["perplexity"])
     assert formats["fp32+kv_fp8"]["kv_blocks"] == pytest.approx(
         4 * formats["fp32"]["kv_blocks"], abs=4
     )

@@ -68,6 +68,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-budget-gib", type=float, default=0.25,
                    help="budget for the ShareGPT sequences-at-once figure")  # fmt: skip
+    p.add_argument("--checkpoints", default="",
+                   help="more formats: NAME=DIR,... quantized checkpoints (e.g. from make "
+                        "quantize-w4a16), loaded as their quantization_config says")  # fmt: skip
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run)
     return p
@@ -77,9 +80,12 @@ def run(args: argparse.Namespace) -> int:
     from pagellm.fetch import require_default_model
 
     source = Path(args.model).expanduser() if args.model else require_default_model()
-    float_dir = _float_folder(source)
+    float_dir = float_folder(source)
+    checkpoints = dict(c.split("=", 1) for c in args.checkpoints.split(",") if c.strip())
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    unknown = [f for f in formats if _split(f)[0] not in FORMATS or _split(f)[1] not in _KV]
+    formats += [name for name in checkpoints if name not in formats]
+    known = {**FORMATS, **checkpoints}
+    unknown = [f for f in formats if _split(f)[0] not in known or _split(f)[1] not in _KV]
     if unknown:
         raise SystemExit(f"unknown formats {unknown}; choose from {', '.join(FORMATS)}")
     what = {w.strip() for w in args.what.split(",")}
@@ -95,6 +101,11 @@ def run(args: argparse.Namespace) -> int:
     for name in ["fp32", *[f for f in formats if f != "fp32"]] if "quality" in what else formats:
         gguf = _split(name)[0] == "gguf"
         model = str(source) if gguf else str(float_dir)
+        model = (
+            str(Path(checkpoints[_split(name)[0]]).expanduser())
+            if _split(name)[0] in checkpoints
+            else model
+        )
         if gguf and source.suffix != ".gguf":
             continue
         entry: dict[str, Any] = {}
@@ -133,7 +144,7 @@ def _open(model: str, name: str, args: argparse.Namespace):
     from pagellm import LLM
 
     base, kv = _split(name)
-    dtype, quantization = FORMATS[base]
+    dtype, quantization = FORMATS.get(base, ("float32", "auto"))  # a checkpoint: as it says
     return LLM(model, dtype=dtype, quantization=quantization, max_model_len=args.max_model_len,
                kv_cache_memory=args.kv_cache_memory, max_num_seqs=256,
                kv_cache_dtype=kv)  # fmt: skip
@@ -151,7 +162,7 @@ def _seqs_at_once(lengths: list[int], blocks: int, llm) -> int:
     return 0
 
 
-def _float_folder(source: Path) -> Path:
+def float_folder(source: Path) -> Path:
     """The float32 HF folder of ``source`` (written once into the cache for a GGUF file)."""
     if source.suffix != ".gguf":
         return source
