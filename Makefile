@@ -50,6 +50,8 @@ gpu-carry: fetch-model
 QVENV := .venv-quantize
 QSTAMP := $(QVENV)/.installed
 QUANTIZED := $(HOME)/.cache/pagellm/quantized
+QUANT_SAMPLES ?= 32
+QUANT_TOKENS ?= 256
 
 $(QSTAMP):
 	test -x $(QVENV)/bin/python || $(PYTHON) -m venv $(QVENV)
@@ -64,7 +66,8 @@ $(addprefix quantize-,$(QUANT_SCHEMES)): quantize-%: fetch-model $(QSTAMP)
 	$(PY) -m pagellm.fetch sharegpt
 	$(QVENV)/bin/python scripts/quantize.py --scheme $* --output $(QUANTIZED)/smollm2-$* \
 		--model "$$($(PY) -c 'from pagellm.bench.quantization import float_folder as f; from pagellm.fetch import require_default_model as m; print(f(m()))')" \
-		--sharegpt "$$($(PY) -m pagellm.fetch sharegpt | tail -1)"
+		--sharegpt "$$($(PY) -m pagellm.fetch sharegpt | tail -1)" \
+		--num-samples $(QUANT_SAMPLES) --max-tokens $(QUANT_TOKENS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

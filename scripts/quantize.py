@@ -99,8 +99,8 @@ def main() -> int:
     parser.add_argument("--scheme", required=True, choices=SCHEMES)
     parser.add_argument("--output", required=True)
     parser.add_argument("--sharegpt", default=None, help="ShareGPT JSON (calibrated schemes)")
-    parser.add_argument("--num-samples", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--num-samples", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=256)
     args = parser.parse_args()
 
     import torch
