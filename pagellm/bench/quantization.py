@@ -38,7 +38,13 @@ FORMATS = {
     "int4": ("float32", "int4"),
     "fp8": ("float32", "fp8"),
     "gguf": ("float32", "auto"),
+    "int8-bf16": ("bfloat16", "int8"),
+    "int4-bf16": ("bfloat16", "int4"),
+    "fp8-bf16": ("bfloat16", "fp8"),
+    "gguf-bf16": ("bfloat16", "auto"),
 }
+"""name -> (activation dtype, --quantization); the -bf16 ones compute in bf16 (what --dtype auto
+picks on a CPU with native bf16)."""
 
 
 KV_SUFFIX = "+kv_"
@@ -99,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     chats = _held_out_chats(args) if "quality" in what else []
     reference_tokens: list[list[int]] | None = None
     for name in ["fp32", *[f for f in formats if f != "fp32"]] if "quality" in what else formats:
-        gguf = _split(name)[0] == "gguf"
+        gguf = _split(name)[0].startswith("gguf")
         model = str(source) if gguf else str(float_dir)
         model = (
             str(Path(checkpoints[_split(name)[0]]).expanduser())

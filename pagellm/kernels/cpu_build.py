@@ -64,6 +64,13 @@ def build_library(source_name: str, extra_flags: tuple[str, ...] = ()) -> ctypes
     return ctypes.CDLL(str(target))
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX): torch's bf16 GEMMs are
+    then faster than fp32 ones; elsewhere they are emulated and slower."""
+    flags = _cpu_flags().split()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def _cpu_flags() -> str:
     """The instruction-set flags of this CPU (Linux), or "" where they cannot be read."""
     try:

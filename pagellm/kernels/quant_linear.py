@@ -7,7 +7,7 @@ import ctypes
 
 import torch
 
-from pagellm.kernels.cpu_build import build_library
+from pagellm.kernels.cpu_build import build_library, cpu_has_native_bf16
 from pagellm.quant.formats import QuantizedWeight
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -18,9 +18,11 @@ cache while torch's GEMM reads it."""
 
 class QuantLinearKernel:
     """``x @ W^T`` with W kept quantized: decoded in registers for at most ``max_rows`` rows of
-    x, decoded a cache-sized panel at a time into fp32 for torch's GEMM above that."""
+    x, decoded a cache-sized panel at a time into fp32 for torch's GEMM above that (the panel
+    rounded to bf16 for a bf16 GEMM when x is bf16 and the CPU has native bf16: the GEMM a
+    dense bf16 model runs)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, native_bf16: bool = False) -> None:
         ptr, i = ctypes.c_void_p, ctypes.c_int
         self._linear = lib.quant_linear
         self._linear.restype = i
@@ -30,6 +32,7 @@ class QuantLinearKernel:
         self._dequant.argtypes = [ptr, ptr, ptr, ptr, i, i, i, i, i, i, i, i, ptr, i]
         self.max_rows = int(lib.quant_linear_max_rows())
         self._panel = torch.empty(0)
+        self.native_bf16 = native_bf16
 
     @staticmethod
     def supports(group: int) -> bool:
@@ -69,14 +72,15 @@ class QuantLinearKernel:
 
     def _panels(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         n, k = w.shape
-        xf = x.float()
+        gemm = torch.bfloat16 if x.dtype == torch.bfloat16 and self.native_bf16 else torch.float32
+        xg = x.to(gemm)
         rows = max(1, min(n, PANEL_BYTES // (4 * k)))
         if rows == n:
-            return torch.nn.functional.linear(xf, self.dequantize(w, 0, n)).to(x.dtype)
+            return torch.nn.functional.linear(xg, self.dequantize(w, 0, n).to(gemm)).to(x.dtype)
         out = torch.empty(x.shape[0], n, dtype=x.dtype)
         for row0 in range(0, n, rows):
             count = min(rows, n - row0)
-            out[:, row0 : row0 + count] = xf @ self.dequantize(w, row0, count).t()
+            out[:, row0 : row0 + count] = xg @ self.dequantize(w, row0, count).to(gemm).t()
         return out
 
     def dequantize(self, w: QuantizedWeight, row0: int, rows: int) -> torch.Tensor:
@@ -127,4 +131,4 @@ def load_quant_linear_kernel(
     if vector_width is not None:
         flags += (f"-DPAGELLM_VEC_WIDTH={vector_width}", "-Wno-psabi")
     lib = build_library("quant_linear.cpp", flags)
-    return QuantLinearKernel(lib) if lib is not None else None
+    return QuantLinearKernel(lib, cpu_has_native_bf16()) if lib is not None else None

@@ -43,11 +43,9 @@ def resolve_dtype(dtype: str, device: torch.device | str = "cpu") -> torch.dtype
 
 
 def _cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    from pagellm.kernels.cpu_build import cpu_has_native_bf16
+
+    return cpu_has_native_bf16()
 
 
 @dataclass(frozen=True)
