@@ -76,6 +76,10 @@ def config_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any
 
 
 def _checked_value(parser: argparse.ArgumentParser, action: argparse.Action, key: Any, value: Any):
+    if isinstance(value, dict) and action.type is str:  # e.g. speculative-config as a mapping
+        import json
+
+        return json.dumps(value)
     if value is None or action.type is None or isinstance(value, bool):
         return value
     try:

@@ -137,6 +137,24 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's flags; ``pagellm/spec/settings.py`` reads them)."""
+
+    speculative_config: str | None = None
+    """JSON object as vLLM's --speculative-config: {"method": "ngram", "num_speculative_tokens":
+    4, "prompt_lookup_min": 2, "prompt_lookup_max": 5, "disable_by_batch_size": 8,
+    "max_model_len": ...}. A YAML file or LLM(...) may give the mapping itself."""
+    speculative_model: str | None = None
+    """Older vLLM flag: "[ngram]" (or "ngram") selects prompt-lookup speculation."""
+    num_speculative_tokens: int | None = None
+    """Older vLLM flag: tokens proposed per step (the JSON's num_speculative_tokens)."""
+    speculative_max_model_len: int | None = None
+    """Older vLLM flag: no proposals for a sequence whose length would pass this."""
+    speculative_disable_by_batch_size: int | None = None
+    """Older vLLM flag: no proposals in a step with more running sequences than this."""
+
+
+@dataclass(frozen=True, slots=True)
 class StepLimits:
     """The largest step the scheduler may hand a runner: what a GPU rank profiles its
     activation memory with before sizing its KV cache."""
@@ -157,6 +175,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def step_limits(self, max_model_len: int) -> StepLimits:
         s = self.scheduler
@@ -179,6 +198,7 @@ _AREAS: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
+    "speculative": SpeculativeConfig,
 }
 
 

@@ -9,10 +9,12 @@ from pagellm.runner.device import resolve_device
 from pagellm.runner.loader import open_model, resolve_dtype, resolve_source
 from pagellm.runner.model_runner import ModelRunner
 from pagellm.runner.tokenizer import Tokenizer
+from pagellm.spec.settings import spec_settings
 
 
 def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
     check_kv_cache_settings(config)
+    spec_settings(config.speculative)  # a bad --speculative-config fails before loading
     source = resolve_source(config.model.model)
     files = open_model(source, config.model.quantization)
     arch = files.arch

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from pagellm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagellm.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.outputs import RunnerOutput, SchedulerOutput
 
 
 class FakeRunner:
-    """Samples ``(last token + 1) % vocab`` for every request that samples; records schedules."""
+    """Samples ``(last token + 1) % vocab`` for every request that samples (verifying proposed
+    tokens against that rule); records schedules."""
 
     def __init__(self, num_blocks: int, vocab: int = 1000, num_host_blocks: int = 0) -> None:
         self.num_blocks = num_blocks
@@ -18,9 +25,19 @@ class FakeRunner:
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.steps.append(sched)
-        return RunnerOutput(
-            {s.request_id: (s.token_ids[-1] + 1) % self.vocab for s in sched.scheduled if s.sample}
-        )
+        return RunnerOutput({s.request_id: self._tokens(s) for s in sched.scheduled if s.sample})
+
+    def _tokens(self, s) -> list[int]:
+        """The next token; with proposals, those that match the model's own choice and then
+        its choice after them (greedy verification)."""
+        last = s.token_ids[-1 - len(s.spec_token_ids)]
+        out = []
+        for proposed in s.spec_token_ids:
+            if proposed != (last + 1) % self.vocab:
+                break
+            out.append(proposed)
+            last = proposed
+        return [*out, (last + 1) % self.vocab]
 
 
 class FakeTokenizer:
@@ -60,6 +77,7 @@ def make_engine(
     preemption_mode: str = "recompute",
     num_host_blocks: int = 0,
     attention_crossover: float | None = None,
+    speculative_config: str | dict | None = None,
     **scheduler_extra: object,
 ) -> tuple[LLMEngine, FakeRunner]:
     config = EngineConfig(
@@ -74,6 +92,7 @@ def make_engine(
             preemption_mode=preemption_mode,
             **scheduler_extra,
         ),
+        speculative=SpeculativeConfig(speculative_config=speculative_config),
     )
     runner = FakeRunner(num_blocks, num_host_blocks=num_host_blocks)
     engine = LLMEngine(

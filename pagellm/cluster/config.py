@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,6 +263,8 @@ def _engine_args(values: Any, where: str) -> tuple[dict[str, Any], list[str]]:
             continue
         if key not in fields_by_name:
             raise ClusterConfigError(f"{where}: engine_args: unknown key {key!r}")
+        if key == "speculative_config" and isinstance(value, dict):
+            value = json.dumps(value)  # vLLM's YAML gives the mapping; the flag takes JSON
         _check_type(value, fields_by_name[key], f"{where}: engine_args.{key}")
         for name, known in (("quantization", QUANTIZATION_METHODS),
                             ("kv_cache_dtype", KV_CACHE_DTYPES)):  # fmt: skip

@@ -119,6 +119,18 @@ class KVCacheManager:
             table.extend(self.pool.allocate(needed))
         return True
 
+    def trim(self, request: Request) -> None:
+        """Release the blocks past the request's computed tokens: the slots of proposed tokens
+        that were rejected (never registered in the prefix cache, never shared)."""
+        table = self.block_tables.get(request.request_id)
+        if not table:
+            return
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        if len(table) > keep:
+            extra = table[keep:]
+            del table[keep:]
+            self.pool.release(extra[::-1])
+
     def share_prefix(self, child: Request, parent: Request, num_tokens: int) -> int:
         """Give ``child`` the parent's full blocks covering up to ``num_tokens`` tokens.
 

@@ -29,6 +29,7 @@ from pagellm.engine.outputs import (
 from pagellm.engine.request import FinishReason, Request
 from pagellm.engine.sampling_params import SamplingParams
 from pagellm.engine.scheduler import Scheduler
+from pagellm.spec.settings import spec_settings
 
 _SEED_MASK = (1 << 64) - 1
 """Per-sequence seeds (a request's seed + its copy's index) wrap to 64 bits, what torch takes."""
@@ -102,7 +103,10 @@ class LLMEngine:
             config.cache.enable_prefix_caching,
             getattr(executor, "num_host_blocks", 0) if swap else 0,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, clock, attention_crossover)
+        self.spec = spec_settings(config.speculative)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_manager, clock, attention_crossover, self.spec
+        )
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, _Group] = {}
         self._rng = random.Random(config.model.seed)
@@ -245,12 +249,12 @@ class LLMEngine:
         failed = self._groups_of(result.failed)
         touched = self.scheduler.update(sched, result)
         groups: dict[str, _Group] = {}
-        for req in touched:
+        for req, num_new in touched:
             group = self._seq_to_group.get(req.request_id)
             if group is None or group.request_id in failed:
                 continue
             try:
-                self._process_token(group, req, result)
+                self._process_tokens(group, req, num_new, result)
             except Exception as exc:  # noqa: BLE001 - this request's own fault: it fails alone
                 failed[group.request_id] = f"{type(exc).__name__}: {exc}"
                 continue
@@ -278,16 +282,26 @@ class LLMEngine:
         assert group is not None
         return make_output(group, True, error=why)
 
-    def _process_token(self, group: _Group, req: Request, result: RunnerOutput) -> None:
+    def _process_tokens(
+        self, group: _Group, req: Request, num_new: int, result: RunnerOutput
+    ) -> None:
+        """Detokenize the request's ``num_new`` new tokens one by one (stop strings are
+        checked after each); tokens after a stop string are dropped, as if never generated."""
         seq = next(s for s in group.seqs if s.request is req)
-        if seq.logprobs is not None and req.request_id in result.logprobs:
-            seq.logprobs.append(result.logprobs[req.request_id])
-        stop = seq.detok.add_tokens([req.output_token_ids[-1]])
-        if stop is not None:
+        first = len(req.output_token_ids) - num_new
+        logprobs = result.logprobs.get(req.request_id, [])
+        for i, token in enumerate(req.output_token_ids[first:]):
+            if seq.logprobs is not None and i < len(logprobs):
+                seq.logprobs.append(logprobs[i])
+            stop = seq.detok.add_tokens([token])
+            if stop is None:
+                continue
             if not req.is_finished:
                 self.scheduler.finish_request(req.request_id, FinishReason.STOP)
             req.finish_reason = FinishReason.STOP
             req.stop_reason = stop
+            req.truncate_output(first + i + 1)
+            return
 
     def _finish_or_snapshot(self, group: _Group) -> RequestOutput:
         finished = group.finished

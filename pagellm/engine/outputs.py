@@ -22,6 +22,9 @@ class ScheduledRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_id: int | None
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Proposed tokens (speculative decoding), the tail of ``token_ids``: the runner verifies
+    them with the logits at their positions and the one before."""
 
     @property
     def num_tokens(self) -> int:
@@ -59,8 +62,10 @@ class TokenLogprobs:
 
 @dataclass(slots=True)
 class RunnerOutput:
-    sampled: dict[str, int]
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    sampled: dict[str, list[int]]
+    """Request id -> its new tokens: one, or (speculative decoding) the accepted proposals and
+    the token sampled after them."""
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     """Requests whose own preparation or sampling raised -> why; they fail, the step stands."""
 
@@ -131,3 +136,11 @@ class EngineStats:
     """Of those, tokens whose KV was found cached (not computed again)."""
     finished: dict[str, int] = field(default_factory=dict)
     """Finished requests (sequences) by finish reason: stop, length, abort."""
+    spec_num_drafts: int = 0
+    """Speculative decoding: verify steps of a sequence that had proposals."""
+    spec_num_draft_tokens: int = 0
+    """Proposed tokens verified."""
+    spec_num_accepted_tokens: int = 0
+    """Of those, tokens the target accepted."""
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+    """Accepted tokens by position in the proposal (index 0: the first proposed token)."""

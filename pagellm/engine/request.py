@@ -84,6 +84,14 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past the first ``num_output_tokens`` (a finished request's tokens
+        after its stop string, when one step gave it several)."""
+        drop = len(self.output_token_ids) - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self.all_token_ids[len(self.all_token_ids) - drop :]
+
     def check_stop(self) -> FinishReason | None:
         """Stop conditions that depend only on token ids (stop strings are checked on text)."""
         params = self.params

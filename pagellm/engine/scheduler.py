@@ -9,6 +9,11 @@ out, the policy's victim (the least important running request, sparing ones pree
 repeatedly) is preempted by recompute: it frees its blocks and returns to the waiting queue, where
 its rank puts it ahead of everything that arrived after it. Under the priority policy a more
 important arrival that does not fit preempts less important running requests.
+
+Speculative decoding (n-gram): a decoding request may carry proposed tokens after its last one,
+within the token budget, its max_tokens and max_model_len, and only in steps with at most
+``disable_by_batch_size`` running requests. Its slots are reserved for all of them; after the
+step only the accepted ones count as computed, and blocks past them go back to the pool.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from pagellm.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagellm.engine.outputs import EngineStats, RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagellm.engine.policy import make_policy
 from pagellm.engine.request import FinishReason, Request, RequestStatus
+from pagellm.spec.ngram import NgramProposer
+from pagellm.spec.settings import SpecSettings
 
 
 class Scheduler:
@@ -30,8 +37,13 @@ class Scheduler:
         kv_manager: KVCacheManager,
         clock: Callable[[], float],
         attention_crossover: float | None = None,
+        spec: SpecSettings | None = None,
     ) -> None:
         self.config = config
+        self.spec = spec
+        self.proposer = (
+            NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec else None
+        )
         self.chunking = ChunkPolicy.from_config(config, attention_crossover)
         self.kv = kv_manager
         self.clock = clock
@@ -91,6 +103,8 @@ class Scheduler:
         self._stale = True
         self.kv.free(req)
         self.kv.forget(req)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
@@ -138,10 +152,20 @@ class Scheduler:
         preempted: list[str],
         chunks: StepChunks,
     ) -> int:
+        speculate = self.spec is not None and len(self.running) <= self.spec.disable_by_batch_size
+        reserve = self._blocks_for_one_token_each() if speculate else 0
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
+            reserve -= speculate and self._starts_block(req)
+            if speculate and remaining == 1:
+                proposal = self._propose(req, budget, reserve)
+                if proposal:
+                    scheduled.append(self._scheduled(req, 1, proposal))
+                    budget -= 1 + len(proposal)
+                    i += 1
+                    continue
             num_new = chunks.size(req, req.num_computed_tokens, remaining, min(remaining, budget))
             if num_new is None:  # a partial-prefill limit: it goes on in a later step
                 i += 1
@@ -152,6 +176,35 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    def _starts_block(self, req: Request) -> bool:
+        return req.num_computed_tokens % self.kv.block_size == 0
+
+    def _blocks_for_one_token_each(self) -> int:
+        return sum(1 for r in self.running if self._starts_block(r))
+
+    def _propose(self, req: Request, budget: int, reserve: int) -> list[int]:
+        """Proposed tokens for a decoding request, their slots allocated; [] when there are
+        none, they would not fit its limits, or their blocks would leave fewer free blocks than
+        ``reserve`` (what the requests still to schedule this step need for one token each)."""
+        assert self.spec is not None and self.proposer is not None
+        k = min(
+            self.spec.num_speculative_tokens, budget - 1, req.max_model_len - 1 - req.num_tokens
+        )
+        if self.spec.max_model_len is not None:
+            k = min(k, self.spec.max_model_len - 1 - req.num_tokens)
+        if req.params.max_tokens is not None:
+            k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
+        proposal = self.proposer.propose(req.request_id, req.all_token_ids, k)
+        if not proposal:
+            return []
+        held = len(self.kv.get_block_ids(req.request_id))
+        needed = cdiv(req.num_computed_tokens + 1 + len(proposal), self.kv.block_size) - held
+        if needed + reserve > self.kv.pool.num_free:
+            return []
+        allocated = self.kv.allocate_slots(req, 1 + len(proposal))
+        assert allocated, "the free blocks were counted"
+        return proposal
 
     def _make_room(self, index: int, num_new: int, preempted: list[str]) -> bool:
         """Allocate slots for ``running[index]``, preempting the policy's victim among the
@@ -268,12 +321,14 @@ class Scheduler:
         req.parent_id = None
         return True
 
-    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(
+        self, req: Request, num_new: int, proposal: list[int] | None = None
+    ) -> ScheduledRequest:
         start = req.num_computed_tokens
         end = start + num_new
         return ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.all_token_ids[start:end],
+            token_ids=req.all_token_ids[start:end] + (proposal or []),
             start_pos=start,
             block_ids=self.kv.get_block_ids(req.request_id),
             sample=end == req.num_tokens,
@@ -282,38 +337,69 @@ class Scheduler:
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
             eos_token_id=req.eos_token_id,
+            spec_token_ids=proposal or [],
         )
 
     # ----- applying the runner's results ------------------------------------------------
 
-    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, int]]:
         """Advance computed tokens, append sampled ones, finish what stopped.
 
-        Returns the requests that got a new token this step (finished ones included).
+        Returns the requests that got new tokens this step (finished ones included), each
+        with how many it got.
         """
         now = self.clock()
-        touched: list[Request] = []
+        touched: list[tuple[Request, int]] = []
         for request_id in result.failed:
             self.finish_request(request_id, FinishReason.ERROR)
         for item in sched.scheduled:
             req = self.requests.get(item.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += item.num_tokens
+            tokens = result.sampled.get(item.request_id) or []
+            num_spec = len(item.spec_token_ids)
+            # of the proposals, only the accepted ones (all new tokens but the last) have KV
+            accepted = max(len(tokens) - 1, 0) if num_spec else 0
+            req.num_computed_tokens += item.num_tokens - num_spec + accepted
             self.policy.charge(req, item.num_tokens)
+            if num_spec:
+                self._record_acceptance(num_spec, accepted)
+            reason = self._append(req, tokens)
+            if num_spec:
+                self.kv.trim(req)
             self.kv.cache_full_blocks(req)
-            token = result.sampled.get(item.request_id)
-            if token is None:
+            if not tokens:
                 continue
-            req.append_token(token)
             if req.first_token_time is None:
                 req.first_token_time = now
-            touched.append(req)
-            reason = req.check_stop()
+            touched.append((req, len(tokens)))
             if reason is not None:
                 self.finish_request(req.request_id, reason)
-        self._record_stats(sched, len(touched))
+        self._record_stats(sched, sum(n for _, n in touched))
         return touched
+
+    @staticmethod
+    def _append(req: Request, tokens: list[int]) -> FinishReason | None:
+        """Append the new tokens one by one; the first that stops the request is its last
+        (``tokens`` is cut there, so callers see what was kept)."""
+        for i, token in enumerate(tokens):
+            req.append_token(token)
+            reason = req.check_stop()
+            if reason is not None:
+                del tokens[i + 1 :]
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+                return reason
+        return None
+
+    def _record_acceptance(self, num_spec: int, accepted: int) -> None:
+        stats = self.stats
+        stats.spec_num_drafts += 1
+        stats.spec_num_draft_tokens += num_spec
+        stats.spec_num_accepted_tokens += accepted
+        per_pos = stats.spec_accepted_per_pos
+        per_pos.extend([0] * (num_spec - len(per_pos)))
+        for pos in range(accepted):
+            per_pos[pos] += 1
 
     def _record_stats(self, sched: SchedulerOutput, num_sampled: int) -> None:
         stats = self.stats

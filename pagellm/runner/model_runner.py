@@ -45,6 +45,8 @@ class StepInputs:
     positions: torch.Tensor
     layouts: list[SeqLayout]
     sample_rows: list[int]
+    """Rows whose logits are needed: a sampling request's last one, or (proposed tokens) its
+    last ``1 + len(spec_token_ids)``."""
     sample_reqs: list[ScheduledRequest]
 
 
@@ -231,14 +233,12 @@ class ModelRunner:
             logits = self._logits(parts)
             if logits is None:
                 return RunnerOutput({})
-            result = self.sampler.sample(logits, sample_reqs)
+            result = self.sampler.sample_step(logits, sample_reqs)
         sampled = {r.request_id: t for r, t in zip(sample_reqs, result.token_ids, strict=True)}
         logprobs = {
-            r.request_id: lp
-            for r, lp in zip(sample_reqs, result.logprobs, strict=True)
-            if lp is not None
+            r.request_id: lp for r, lp in zip(sample_reqs, result.logprobs, strict=True) if lp
         }
-        failed = {sample_reqs[row].request_id: why for row, why in result.failed.items()}
+        failed = {sample_reqs[i].request_id: why for i, why in result.failed.items()}
         for request_id in failed:
             sampled.pop(request_id)
         return RunnerOutput(sampled, logprobs, failed)
@@ -337,7 +337,7 @@ def prepare_inputs(
         positions.extend(range(s.start_pos, s.start_pos + s.num_tokens))
         layouts.append(SeqLayout(s.num_tokens, s.start_pos, s.block_ids))
         if s.sample:
-            sample_rows.append(len(ids) - 1)
+            sample_rows.extend(range(len(ids) - 1 - len(s.spec_token_ids), len(ids)))
             sample_reqs.append(s)
     return StepInputs(
         order,

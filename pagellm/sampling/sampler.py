@@ -7,15 +7,21 @@ Logprobs are those of the model's raw distribution (before penalties and tempera
 
 A fault while sampling for one request costs that request alone: the batch is sampled again row
 by row, and a row that still raises is reported in ``SampleResult.failed`` instead of a token.
+
+A request with proposed tokens (speculative decoding) has one row per proposal plus one; each row
+is shaped as if the proposals before it were already output (penalties, min_tokens), and the
+proposals are verified (``rejection.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from pagellm.engine.outputs import ScheduledRequest, TokenLogprobs
+from pagellm.sampling.rejection import accept_greedy, rejection_sample
 
 
 @dataclass(slots=True)
@@ -24,6 +30,17 @@ class SampleResult:
     logprobs: list[TokenLogprobs | None]
     failed: dict[int, str] = field(default_factory=dict)
     """Row -> why sampling for it raised (its token in ``token_ids`` is meaningless)."""
+
+
+@dataclass(slots=True)
+class StepSamples:
+    """Per request of a step: its new tokens (one, or accepted proposals and one more) and
+    their logprobs (empty unless asked for)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs]]
+    failed: dict[int, str] = field(default_factory=dict)
+    """Request index -> why sampling for it raised (its tokens are meaningless)."""
 
 
 class Sampler:
@@ -37,6 +54,78 @@ class Sampler:
             self._generators.pop(rid, None)
             self._shaping.pop(rid, None)
 
+    def sample_step(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> StepSamples:
+        """``logits`` has ``1 + len(r.spec_token_ids)`` consecutive rows for each request."""
+        counts = [1 + len(r.spec_token_ids) for r in reqs]
+        plain = [i for i, c in enumerate(counts) if c == 1]
+        out = StepSamples([[] for _ in reqs], [[] for _ in reqs])
+        if len(plain) == len(reqs):
+            self._fill_plain(out, logits, reqs, plain)
+            return out
+        starts = [sum(counts[:i]) for i in range(len(reqs))]
+        if plain:
+            rows = torch.tensor([starts[i] for i in plain], device=logits.device)
+            self._fill_plain(out, logits.index_select(0, rows), reqs, plain)
+        spec = [i for i, c in enumerate(counts) if c > 1]
+        simple = [i for i in spec if _is_simple(reqs[i])]
+        if simple:
+            rows = torch.tensor(
+                [r for i in simple for r in range(starts[i], starts[i] + counts[i])],
+                device=logits.device,
+            )
+            choices = logits.index_select(0, rows).float().argmax(dim=-1).tolist()
+            at = 0
+            for i in simple:
+                out.token_ids[i] = accept_greedy(reqs[i].spec_token_ids, choices[at:])
+                at += counts[i]
+        for i in spec:
+            if i in simple:
+                continue
+            try:
+                rows = logits[starts[i] : starts[i] + counts[i]]
+                out.token_ids[i], out.logprobs[i] = self._verify(rows, reqs[i])
+            except Exception as exc:  # noqa: BLE001 - reported as that request's failure
+                out.failed[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+                self.forget([reqs[i].request_id])
+        return out
+
+    def _fill_plain(
+        self, out: StepSamples, logits: torch.Tensor, reqs: list[ScheduledRequest], idx: list[int]
+    ) -> None:
+        result = self.sample(logits, [reqs[i] for i in idx])
+        for j, i in enumerate(idx):
+            out.token_ids[i] = [result.token_ids[j]]
+            lp = result.logprobs[j]
+            out.logprobs[i] = [lp] if lp is not None else []
+            if j in result.failed:
+                out.failed[i] = result.failed[j]
+
+    def _verify(
+        self, logits: torch.Tensor, req: ScheduledRequest
+    ) -> tuple[list[int], list[TokenLogprobs]]:
+        """One request's proposals against its rows: each row shaped as if the proposals
+        before it were output already."""
+        proposal = req.spec_token_ids
+        raw = logits.float().cpu()
+        views = [
+            dataclasses.replace(req, output_token_ids=req.output_token_ids + proposal[:j])
+            for j in range(len(proposal) + 1)
+        ]
+        shaped = raw.clone()
+        shaping = self._shaping_of(req)
+        for j, view in enumerate(views):
+            _shape_logits(shaped[j], view, shaping)
+        if req.params.greedy:
+            tokens = accept_greedy(proposal, shaped.argmax(dim=-1).tolist())
+        else:
+            probs = _probs(shaped, views)
+            probs /= probs.sum(dim=-1, keepdim=True)  # min-p zeroed some: p_j must sum to 1
+            tokens = rejection_sample(probs, proposal, self._generator(req))
+        if req.params.logprobs is None:
+            return tokens, []
+        lps = _logprobs(raw[: len(tokens)], tokens, views[: len(tokens)])
+        return tokens, [lp for lp in lps if lp is not None]
+
     def sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> SampleResult:
         """``logits`` [len(reqs), vocab] in the model's dtype; row i belongs to ``reqs[i]``.
 
@@ -45,15 +134,7 @@ class Sampler:
         in float32 on the host (per-request generators are CPU ones, so a seed gives the same
         tokens on every device).
         """
-        simple = all(
-            r.params.greedy
-            and not r.params.needs_penalties
-            and not r.params.shapes_logits
-            and r.params.logprobs is None
-            and len(r.output_token_ids) >= r.params.min_tokens
-            for r in reqs
-        )
-        if simple:
+        if all(_is_simple(r) for r in reqs):
             return SampleResult(logits.float().argmax(dim=-1).tolist(), [None] * len(reqs))
         raw = logits.float().cpu()
         try:
@@ -86,12 +167,7 @@ class Sampler:
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if not rows:
             return tokens
-        sub = logits[rows]
-        temps = torch.tensor([reqs[i].params.temperature for i in rows], dtype=sub.dtype)
-        sub.div_(temps.unsqueeze(1))
-        _filter_top_k_top_p(sub, [reqs[i] for i in rows])
-        probs = torch.softmax(sub, dim=-1)
-        _filter_min_p(probs, [reqs[i] for i in rows])
+        probs = _probs(logits[rows], [reqs[i] for i in rows])
         for j, i in enumerate(rows):
             noise = torch.empty_like(probs[j]).exponential_(generator=self._generator(reqs[i]))
             tokens[i] = int(torch.argmax(probs[j] / noise))
@@ -112,6 +188,28 @@ class Sampler:
             gen.manual_seed(req.seed)
             self._generators[req.request_id] = gen
         return gen
+
+
+def _is_simple(req: ScheduledRequest) -> bool:
+    """Greedy on the raw logits: an argmax decides, nothing shapes them first."""
+    p = req.params
+    return (
+        p.greedy
+        and not p.needs_penalties
+        and not p.shapes_logits
+        and p.logprobs is None
+        and len(req.output_token_ids) >= p.min_tokens
+    )
+
+
+def _probs(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
+    """Sampling distributions of shaped rows: temperature, top-k / top-p, then min-p."""
+    temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
+    sub = logits / temps.unsqueeze(1)
+    _filter_top_k_top_p(sub, reqs)
+    probs = torch.softmax(sub, dim=-1)
+    _filter_min_p(probs, reqs)
+    return probs
 
 
 @dataclass(slots=True)
