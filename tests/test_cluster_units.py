@@ -44,6 +44,12 @@ def test_the_plan_of_a_good_file():
     assert plan["engine_args"]["cache"]["kv_cache_dtype"] == "fp8"
 
 
+def test_speculative_config_as_a_mapping_becomes_the_flag():
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+    plan = parse_cluster_config({**GOOD, "engine_args": {"speculative_config": spec}}).plan()
+    assert json.loads(plan["engine_args"]["speculative"]["speculative_config"]) == spec
+
+
 @pytest.mark.parametrize(
     ("change", "named"),
     [
@@ -53,6 +59,8 @@ def test_the_plan_of_a_good_file():
         ({"engine_args": {"quantization": "fp4"}}, "quantization"),
         ({"engine_args": {"kv_cache_dtype": "int4"}}, "kv_cache_dtype"),
         ({"engine_args": {"model": "/m"}}, "deployment_config"),
+        ({"engine_args": {"speculative_config": {"method": "eagle"}}}, "not supported"),
+        ({"engine_args": {"num_speculative_tokens": 3}}, "needs a method"),
         ({"ray_config": {"num_replica": 2}}, "'num_replica'"),
         ({"ray_config": {"num_replicas": 3, "max_replicas": 2}}, "max_replicas"),
         ({"ray_config": {"placement_strategy": "TIGHT"}}, "placement_strategy"),

@@ -483,3 +483,59 @@ class SpecAllocatorMachine(RuleBasedStateMachine):
 
 TestSpecAllocator = SpecAllocatorMachine.TestCase
 TestSpecAllocator.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+
+
+# ----- the server ---------------------------------------------------------------------------
+
+
+def test_server_streams_the_same_text_and_exports_the_counters(tiny_models):
+    import openai
+    from server_helpers import API_KEY, MODEL_NAME, metrics, running_server
+
+    spec = json.dumps(ngram(4))
+    with running_server(tiny_models("qwen3"), "--speculative-config", spec) as (_, base):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        for prompt in PROMPTS[:4]:
+            kw = dict(model=MODEL_NAME, prompt=prompt, max_tokens=40, temperature=0, logprobs=1)
+            full = client.completions.create(**kw, extra_body={"ignore_eos": True})
+            chunks = list(
+                client.completions.create(**kw, stream=True, extra_body={"ignore_eos": True})
+            )
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            assert text == full.choices[0].text
+            streamed = [t for c in chunks if c.choices for t in c.choices[0].logprobs.tokens]
+            assert streamed == full.choices[0].logprobs.tokens
+            assert len(streamed) == 40
+        messages = [{"role": "user", "content": PROMPTS[3]}]
+        kw = dict(model=MODEL_NAME, messages=messages, max_tokens=30, temperature=0)
+        full = client.chat.completions.create(**kw)
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == full.choices[0].message.content
+        values = metrics(base)
+        accepted = values['pagellm:spec_decode_num_accepted_tokens_total{model_name="tiny-llama"}']
+        drafted = values['pagellm:spec_decode_num_draft_tokens_total{model_name="tiny-llama"}']
+        assert 0 < accepted < drafted
+        first = 'pagellm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny-llama",position="0"}'
+        assert values[first] > 0
+
+
+def test_flags_and_a_yaml_mapping_reach_the_engine_config(tmp_path):
+    from pagellm.cli import build_parser, config_defaults, engine_kwargs
+
+    parser = build_parser()
+    args = parser.parse_args(
+        ["serve", "--speculative-model", "[ngram]", "--num-speculative-tokens", "3"]
+    )
+    config = EngineConfig.from_flat(**engine_kwargs(args))
+    assert spec_settings(config.speculative).num_speculative_tokens == 3
+    yaml_file = tmp_path / "serve.yaml"
+    yaml_file.write_text(
+        "speculative-config:\n  method: ngram\n  num_speculative_tokens: 2\n"
+        "  prompt_lookup_max: 4\n"
+    )
+    args = parser.parse_args(["serve", "--config", str(yaml_file)])
+    args.subparser.set_defaults(**config_defaults(args.subparser, args.config))
+    args = parser.parse_args(["serve", "--config", str(yaml_file)])
+    settings = spec_settings(EngineConfig.from_flat(**engine_kwargs(args)).speculative)
+    assert (settings.num_speculative_tokens, settings.prompt_lookup_max) == (2, 4)

@@ -177,6 +177,42 @@ def sharegpt_workload(
     return requests
 
 
+EDIT_MIN_TOKENS, EDIT_MAX_TOKENS = 64, 400
+"""Edit workload: lengths of the ShareGPT replies used as the text to rewrite."""
+
+
+def edit_workload(
+    path: str | Path, tokenizer: Any, num_prompts: int, seed: int
+) -> list[BenchRequest]:
+    """Editing requests whose answer repeats most of the prompt (where prompt-lookup
+    speculation pays): ShareGPT replies of 64-400 tokens, each in a chat asking to rewrite it with
+    one word changed, or, for code, to repeat it with comments added. The output length is the
+    text's own length (the rewrite)."""
+    pairs = sharegpt_pairs(path)
+    random.Random(seed).shuffle(pairs)
+    requests: list[BenchRequest] = []
+    for _, reply in pairs:
+        if len(requests) == num_prompts:
+            break
+        text_len = len(tokenizer.encode(reply))
+        words = [w for w in reply.split() if w.isalpha() and len(w) > 4]
+        if not EDIT_MIN_TOKENS <= text_len <= EDIT_MAX_TOKENS or not words:
+            continue
+        if "```" in reply or "def " in reply or "{\n" in reply:
+            ask = "Repeat the following code exactly, adding a short comment above each function."
+        else:
+            word = words[len(words) // 2]
+            ask = (
+                f"Rewrite the following text with one change: replace the word '{word}' with "
+                f"'{word.upper()}'. Keep everything else exactly as it is."
+            )
+        messages = [{"role": "user", "content": f"{ask}\n\n{reply}"}]
+        requests.append(BenchRequest(tokenizer.chat_token_ids(messages), text_len))
+    if len(requests) < num_prompts:
+        raise ValueError(f"only {len(requests)} ShareGPT replies fit; {num_prompts} asked")
+    return requests
+
+
 def save_workload(path: str | Path, requests: list[BenchRequest]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump([r.to_json() for r in requests], f)

@@ -194,8 +194,32 @@ def render(report: dict[str, Any]) -> str:
         f"KV waste at peak {100 * engine['kv_waste_frac']:.1f}%, "
         f"preemptions {engine['num_preemptions']}, steps {engine['num_steps']}",
     ]
+    if engine.get("spec_num_drafts"):
+        lines.append(spec_line(engine))
     lines += _ratio_lines(report)
     return "\n".join(lines)
+
+
+def spec_counters(drafts: float, draft_tokens: float, accepted: float) -> dict[str, float | None]:
+    """vLLM's speculative-decoding summary: acceptance rate (accepted / proposed tokens) and
+    mean acceptance length (tokens a verify step gives a sequence: 1 + accepted / drafts)."""
+    return {
+        "spec_num_drafts": drafts,
+        "spec_num_draft_tokens": draft_tokens,
+        "spec_num_accepted_tokens": accepted,
+        "spec_acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "spec_mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+    }
+
+
+def spec_line(figures: dict[str, Any]) -> str:
+    return (
+        f"speculative decoding: {figures['spec_num_drafts']:.0f} drafts, "
+        f"{figures['spec_num_draft_tokens']:.0f} proposed tokens, "
+        f"{figures['spec_num_accepted_tokens']:.0f} accepted: acceptance rate "
+        f"{figures['spec_acceptance_rate']:.1%}, mean acceptance length "
+        f"{figures['spec_mean_acceptance_length']:.2f}"
+    )
 
 
 def _rss_after(engine: dict[str, Any]) -> str:

@@ -33,6 +33,9 @@ SERVER_COUNTERS = {
     "pagellm:engine_thread_cpu_seconds": "engine_thread_cpu_seconds",
     "pagellm:api_thread_cpu_seconds": "api_thread_cpu_seconds",
     "process_cpu_seconds": "process_cpu_seconds",
+    "pagellm:spec_decode_num_drafts": "spec_num_drafts",
+    "pagellm:spec_decode_num_draft_tokens": "spec_num_draft_tokens",
+    "pagellm:spec_decode_num_accepted_tokens": "spec_num_accepted_tokens",
 }
 """Counters read from /metrics before and after the run (family name -> report key)."""
 
@@ -283,6 +286,14 @@ def server_side(before: dict[str, float], after: dict[str, float], duration: flo
         delta["mean_step_ms"] = 1000.0 * busy / steps if steps else None
     if delta.get("prefix_cache_queries"):
         delta["prefix_cache_hit_rate"] = delta["prefix_cache_hits"] / delta["prefix_cache_queries"]
+    if delta.get("spec_num_drafts"):
+        delta.update(
+            rep.spec_counters(
+                delta["spec_num_drafts"],
+                delta["spec_num_draft_tokens"],
+                delta["spec_num_accepted_tokens"],
+            )
+        )
     for key in ("process_cpu_seconds", "engine_thread_cpu_seconds", "api_thread_cpu_seconds"):
         if delta.get(key) is not None:
             delta[key.replace("_seconds", "_cores")] = delta[key] / duration
@@ -408,6 +419,8 @@ def render(report: dict[str, Any]) -> str:
             f"{server['prefix_cache_queries']:.0f} prompt tokens hit "
             f"({server['prefix_cache_hit_rate']:.1%})"
         )
+    if server.get("spec_num_drafts"):
+        lines.append("server " + rep.spec_line(server))
     if r["errors"]:
         lines.append("errors: " + "; ".join(r["errors"]))
     return "\n".join(lines)

@@ -19,6 +19,7 @@ from typing import Any
 from pagellm.bench import report as rep
 from pagellm.bench.datasets import (
     BenchRequest,
+    edit_workload,
     load_workload,
     prefix_workload,
     random_workload,
@@ -35,7 +36,12 @@ DEFAULT_PREFIX_SUFFIX_LEN = 32
 
 def add_dataset_args(p: argparse.ArgumentParser, default: str) -> None:
     """The workload flags both benchmarks share."""
-    p.add_argument("--dataset", choices=["random", "sharegpt", "prefix"], default=default)
+    p.add_argument(
+        "--dataset",
+        choices=["random", "sharegpt", "prefix", "edit"],
+        default=default,
+        help="edit: ShareGPT replies to rewrite with one change (the answer repeats the prompt)",
+    )
     p.add_argument("--dataset-path", default=None, help="ShareGPT JSON (default: fetched copy)")
     p.add_argument(
         "--input-len",
@@ -114,6 +120,8 @@ def build_workload(spec: WorkloadSpec) -> list[dict[str, Any]]:
             spec.num_prefixes,
             spec.num_turns,
         )
+    elif spec.dataset == "edit":
+        reqs = edit_workload(spec.dataset_path, tokenizer, spec.num_prompts, spec.seed)
     else:
         reqs = sharegpt_workload(
             spec.dataset_path, tokenizer, spec.num_prompts, spec.seed, spec.output_len
@@ -131,7 +139,7 @@ def build_workload_isolated(spec: WorkloadSpec) -> list[BenchRequest]:
 def spec_from_args(args: argparse.Namespace, tokenizer_source: str | None) -> WorkloadSpec:
     """The workload the dataset flags describe (fetching ShareGPT when no path is given)."""
     path = args.dataset_path
-    if args.dataset == "sharegpt" and path is None:
+    if args.dataset in ("sharegpt", "edit") and path is None:
         from pagellm.fetch import fetch_sharegpt
 
         path = str(fetch_sharegpt())
@@ -175,6 +183,11 @@ def run_engine(llm: Any, requests: list[BenchRequest], progress: bool = True) ->
         "engine_busy_s": stats.busy_seconds - before.busy_seconds,
         "engine_execute_s": stats.execute_seconds - before.execute_seconds,
         "expected_output_tokens": sum(r.output_len for r in requests),
+        **rep.spec_counters(
+            stats.spec_num_drafts - before.spec_num_drafts,
+            stats.spec_num_draft_tokens - before.spec_num_draft_tokens,
+            stats.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
+        ),
     }
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     output = sum(len(o.outputs[0].token_ids) for o in outs)

@@ -274,7 +274,20 @@ def _engine_args(values: Any, where: str) -> tuple[dict[str, Any], list[str]]:
                     f"(one of {', '.join(known)})"
                 )
         args[key] = value
+    _check_speculative(args, where)
     return args, notes
+
+
+def _check_speculative(args: dict[str, Any], where: str) -> None:
+    from pagellm.config import SpeculativeConfig
+    from pagellm.spec.settings import spec_settings
+
+    names = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    given = {k: v for k, v in args.items() if k in names}
+    try:
+        spec_settings(SpeculativeConfig(**given))
+    except ValueError as exc:
+        raise ClusterConfigError(f"{where}: engine_args: {exc}") from exc
 
 
 def _check(config: ClusterConfig, where: str) -> None:

@@ -74,6 +74,7 @@ class EngineCollector(Collector):
             for tenant, counts in sorted(bounded_tenants(s.tenants).items()):
                 g.add_metric([*self.labels.values(), tenant], counts[slot])
             yield g
+        yield from self._spec_decode(s)
         done = CounterMetricFamily(
             "pagellm:request_success",
             "Finished sequences by finish reason.",
@@ -82,6 +83,28 @@ class EngineCollector(Collector):
         for reason, count in sorted(dict(s.finished).items()):
             done.add_metric([*self.labels.values(), reason], count)
         yield done
+
+    def _spec_decode(self, s: EngineStats) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters (zero while speculation is off)."""
+        yield self._counter(
+            "spec_decode_num_drafts", "Verify steps of sequences with proposals.", s.spec_num_drafts
+        )
+        yield self._counter(
+            "spec_decode_num_draft_tokens", "Proposed tokens verified.", s.spec_num_draft_tokens
+        )
+        yield self._counter(
+            "spec_decode_num_accepted_tokens",
+            "Proposed tokens accepted.",
+            s.spec_num_accepted_tokens,
+        )
+        per_pos = CounterMetricFamily(
+            "pagellm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted proposed tokens by position in the proposal.",
+            labels=[*self.labels, "position"],
+        )
+        for pos, count in enumerate(list(s.spec_accepted_per_pos)):
+            per_pos.add_metric([*self.labels.values(), str(pos)], count)
+        yield per_pos
 
 
 MAX_TENANT_SERIES = 64
