@@ -5,16 +5,17 @@ from __future__ import annotations
 
 from pagellm.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.models.arch import ModelArch
 from pagellm.runner.device import resolve_device
-from pagellm.runner.loader import open_model, resolve_dtype, resolve_source
+from pagellm.runner.loader import ModelFiles, open_model, resolve_dtype, resolve_source
 from pagellm.runner.model_runner import ModelRunner
 from pagellm.runner.tokenizer import Tokenizer
-from pagellm.spec.settings import spec_settings
+from pagellm.spec.settings import SpecSettings, spec_settings
 
 
 def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
     check_kv_cache_settings(config)
-    spec_settings(config.speculative)  # a bad --speculative-config fails before loading
+    spec = spec_settings(config.speculative)  # a bad --speculative-config fails before loading
     source = resolve_source(config.model.model)
     files = open_model(source, config.model.quantization)
     arch = files.arch
@@ -29,6 +30,7 @@ def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
             f"({arch.max_position_embeddings})"
         )
     swap = config.scheduler.preemption_mode == "swap"
+    draft_files = open_draft(spec, arch, config) if spec is not None else None
     if config.parallel.world_size > 1:
         from pagellm.parallel.executor import ParallelExecutor
 
@@ -38,8 +40,9 @@ def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
         )  # fmt: skip
     else:
         executor = ModelRunner(
-            files, dtype, config.cache, swap=swap, device=device, limits=config.step_limits(max_len)
-        )
+            files, dtype, config.cache, swap=swap, device=device,
+            limits=config.step_limits(max_len), draft_files=draft_files,
+        )  # fmt: skip
     engine = LLMEngine(
         config,
         executor,
@@ -49,6 +52,25 @@ def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
         attention_crossover=arch.attention_crossover(),
     )
     return engine, tokenizer
+
+
+def open_draft(spec: SpecSettings, arch: ModelArch, config: EngineConfig) -> ModelFiles | None:
+    """The draft model's files (method draft_model), checked against the target: one rank,
+    the same vocabulary (ValueError otherwise)."""
+    if spec.method != "draft_model":
+        return None
+    if config.parallel.world_size > 1:
+        raise ValueError(
+            "speculative decoding with a draft model runs on one rank: use method ngram with "
+            "tensor/pipeline parallelism"
+        )
+    files = open_model(resolve_source(spec.model), spec.quantization)
+    if files.arch.vocab_size != arch.vocab_size:
+        raise ValueError(
+            f"the draft model {spec.model} has a vocabulary of {files.arch.vocab_size} tokens, "
+            f"the target {arch.vocab_size}: a draft must share the target's tokenizer"
+        )
+    return files
 
 
 def check_kv_cache_settings(config: EngineConfig) -> None:

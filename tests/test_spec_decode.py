@@ -151,7 +151,11 @@ def test_settings_take_vllm_forms():
         ({"method": "ngram", "num_speculative_tokens": 2, "speed": 1}, "unknown key"),
         (ngram(2, 4, 3), "prompt_lookup_min (4) > prompt_lookup_max (3)"),
         ({"num_speculative_tokens": 2}, "needs a method"),
-        ({"model": "/some/draft", "num_speculative_tokens": 2}, "draft_model"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "quantization": "int8"},
+            "draft model only",
+        ),
     ],
 )
 def test_bad_settings_name_the_key(config, message):
@@ -539,3 +543,99 @@ def test_flags_and_a_yaml_mapping_reach_the_engine_config(tmp_path):
     args = parser.parse_args(["serve", "--config", str(yaml_file)])
     settings = spec_settings(EngineConfig.from_flat(**engine_kwargs(args)).speculative)
     assert (settings.num_speculative_tokens, settings.prompt_lookup_max) == (2, 4)
+
+
+# ----- the draft model ----------------------------------------------------------------------
+# The tiny Qwen3 as its own draft proposes exactly what the target would choose, so every
+# rejection would mean its KV fell out of step with the target's; the tiny Llama (same
+# vocabulary, other weights) is a draft that is nearly always wrong.
+
+
+def draft(tiny_models, arch: str, k: int, **extra) -> dict:
+    return {"method": "draft_model", "model": str(tiny_models(arch)), "num_speculative_tokens": k,
+            "disable_by_batch_size": 64, **extra}  # fmt: skip
+
+
+def _acceptance(llm) -> float:
+    stats = llm.engine.stats
+    return stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_draft_model_greedy_identical_alone_and_in_step_with_the_target(tiny_models, reference, k):
+    params, expected = reference
+    llm = _qwen3(tiny_models, speculative_config=draft(tiny_models, "qwen3", k))
+    for prompt, p, want in zip(PROMPTS, params, expected, strict=True):
+        assert _outputs(llm, [prompt], p) == [want], prompt
+    assert _acceptance(llm) > 0.97
+    _assert_spec_worked(llm, rejected=False)
+
+
+def test_a_wrong_draft_changes_nothing_but_acceptance(tiny_models, reference):
+    params, expected = reference
+    llm = _qwen3(tiny_models, speculative_config=draft(tiny_models, "llama", 3))
+    assert _outputs(llm, PROMPTS, params) == expected
+    assert llm.engine.stats.spec_num_draft_tokens > 0 and _acceptance(llm) < 0.2
+
+
+def test_draft_model_batch_of_32_chunks_prefix_hits(tiny_models):
+    prompts = [PROMPTS[i % len(PROMPTS)] + " x" * (i // len(PROMPTS)) for i in range(32)]
+    params = [_params(i) for i in range(32)]
+    settings = dict(max_num_batched_tokens=48, max_num_seqs=32, block_size=4)
+    expected = _outputs(_qwen3(tiny_models, **settings), prompts, params)
+    llm = _qwen3(tiny_models, speculative_config=draft(tiny_models, "qwen3", 3), **settings)
+    assert _outputs(llm, prompts, params) == expected
+    assert llm.engine.stats.prefix_cache_hits > 0
+    assert _acceptance(llm) > 0.97
+    _assert_spec_worked(llm, rejected=False)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_draft_model_under_preemption(tiny_models, reference, mode):
+    params, _ = reference
+    expected = _outputs(_qwen3(tiny_models, max_model_len=112), PROMPTS, params)
+    settings = dict(
+        num_gpu_blocks_override=14, block_size=8, max_num_seqs=16, preemption_mode=mode,
+        num_host_blocks_override=64, max_model_len=112,
+    )  # fmt: skip
+    llm = _qwen3(tiny_models, speculative_config=draft(tiny_models, "qwen3", 3), **settings)
+    assert _outputs(llm, PROMPTS, params) == expected
+    stats = llm.engine.stats
+    assert stats.num_preemptions > 0
+    if mode == "swap":
+        assert stats.num_preemptions_swap > 0
+    assert _acceptance(llm) > 0.97  # the draft's KV followed preemption and swapping
+    _assert_spec_worked(llm, rejected=False)
+
+
+def test_draft_model_sampling_is_seeded_and_stop_strings_hold(tiny_models, reference):
+    params, expected = reference
+    spec = _qwen3(tiny_models, speculative_config=draft(tiny_models, "qwen3", 3))
+    seeded = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=s) for s in range(6)]
+    first = _outputs(spec, PROMPTS[:6], seeded)
+    assert _outputs(spec, PROMPTS[:6], seeded) == first
+    assert spec.engine.stats.spec_num_accepted_tokens > 0
+    plain = _qwen3(tiny_models)
+    tok = plain.engine.tokenizer
+    text = tok.decode(expected[0][:20])
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    p = SamplingParams(temperature=0, max_tokens=30, stop=[stop])
+    w = plain.generate([PROMPTS[0]], p, use_tqdm=False)[0].outputs[0]
+    g = spec.generate([PROMPTS[0]], p, use_tqdm=False)[0].outputs[0]
+    assert (g.text, g.token_ids, g.finish_reason) == (w.text, w.token_ids, "stop")
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_models, tmp_path):
+    import transformers
+
+    from pagellm import LLM
+
+    config = transformers.LlamaConfig(
+        vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+        architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path))
+    spec = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="vocabulary of 1000 tokens"):
+        LLM(str(tiny_models("qwen3")), dtype="float32", speculative_config=spec)

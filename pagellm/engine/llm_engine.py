@@ -7,6 +7,7 @@ The runner and tokenizer are injected (anything with ``execute(SchedulerOutput)`
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable
@@ -104,6 +105,10 @@ class LLMEngine:
             getattr(executor, "num_host_blocks", 0) if swap else 0,
         )
         self.spec = spec_settings(config.speculative)
+        draft_len = getattr(executor, "draft_max_model_len", None)
+        if self.spec is not None and draft_len is not None:
+            limit = min(draft_len, self.spec.max_model_len or draft_len)
+            self.spec = dataclasses.replace(self.spec, max_model_len=limit)
         self.scheduler = Scheduler(
             config.scheduler, self.kv_manager, clock, attention_crossover, self.spec
         )

@@ -25,6 +25,9 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)
     """Proposed tokens (speculative decoding), the tail of ``token_ids``: the runner verifies
     them with the logits at their positions and the one before."""
+    num_draft_slots: int = 0
+    """Draft-model speculation: how many tokens the runner's draft model may propose after
+    ``token_ids`` (their KV slots are allocated); it appends them before the target's forward."""
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +71,9 @@ class RunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     """Requests whose own preparation or sampling raised -> why; they fail, the step stands."""
+    num_proposed: dict[str, int] = field(default_factory=dict)
+    """Draft-model speculation: request id -> tokens its draft proposed and the target
+    verified this step."""
 
 
 @dataclass(slots=True)

@@ -10,8 +10,9 @@ repeatedly) is preempted by recompute: it frees its blocks and returns to the wa
 its rank puts it ahead of everything that arrived after it. Under the priority policy a more
 important arrival that does not fit preempts less important running requests.
 
-Speculative decoding (n-gram): a decoding request may carry proposed tokens after its last one,
-within the token budget, its max_tokens and max_model_len, and only in steps with at most
+Speculative decoding: a decoding request may carry proposed tokens after its last one (n-gram:
+proposed here; draft model: ``num_draft_slots`` for the runner's draft to fill), within the token
+budget, its max_tokens and max_model_len, and only in steps with at most
 ``disable_by_batch_size`` running requests. Its slots are reserved for all of them; after the
 step only the accepted ones count as computed, and blocks past them go back to the pool.
 """
@@ -42,7 +43,9 @@ class Scheduler:
         self.config = config
         self.spec = spec
         self.proposer = (
-            NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec else None
+            NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if spec is not None and spec.method == "ngram"
+            else None
         )
         self.chunking = ChunkPolicy.from_config(config, attention_crossover)
         self.kv = kv_manager
@@ -160,10 +163,10 @@ class Scheduler:
             remaining = req.num_tokens - req.num_computed_tokens
             reserve -= speculate and self._starts_block(req)
             if speculate and remaining == 1:
-                proposal = self._propose(req, budget, reserve)
-                if proposal:
-                    scheduled.append(self._scheduled(req, 1, proposal))
-                    budget -= 1 + len(proposal)
+                proposal, slots = self._propose(req, budget, reserve)
+                if slots:
+                    scheduled.append(self._scheduled(req, 1, proposal, slots - len(proposal)))
+                    budget -= 1 + slots
                     i += 1
                     continue
             num_new = chunks.size(req, req.num_computed_tokens, remaining, min(remaining, budget))
@@ -183,11 +186,13 @@ class Scheduler:
     def _blocks_for_one_token_each(self) -> int:
         return sum(1 for r in self.running if self._starts_block(r))
 
-    def _propose(self, req: Request, budget: int, reserve: int) -> list[int]:
-        """Proposed tokens for a decoding request, their slots allocated; [] when there are
-        none, they would not fit its limits, or their blocks would leave fewer free blocks than
-        ``reserve`` (what the requests still to schedule this step need for one token each)."""
-        assert self.spec is not None and self.proposer is not None
+    def _propose(self, req: Request, budget: int, reserve: int) -> tuple[list[int], int]:
+        """Proposed tokens for a decoding request (n-gram; a draft model proposes in the
+        runner, so none here) and the slots allocated for proposals; 0 slots when there are no
+        proposals, they would not fit its limits, or their blocks would leave fewer free blocks
+        than ``reserve`` (what the requests still to schedule this step need for one token
+        each)."""
+        assert self.spec is not None
         k = min(
             self.spec.num_speculative_tokens, budget - 1, req.max_model_len - 1 - req.num_tokens
         )
@@ -195,16 +200,21 @@ class Scheduler:
             k = min(k, self.spec.max_model_len - 1 - req.num_tokens)
         if req.params.max_tokens is not None:
             k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
-        proposal = self.proposer.propose(req.request_id, req.all_token_ids, k)
-        if not proposal:
-            return []
+        if k <= 0:
+            return [], 0
+        proposal = []
+        if self.proposer is not None:
+            proposal = self.proposer.propose(req.request_id, req.all_token_ids, k)
+            k = len(proposal)
+        if k == 0:
+            return [], 0
         held = len(self.kv.get_block_ids(req.request_id))
-        needed = cdiv(req.num_computed_tokens + 1 + len(proposal), self.kv.block_size) - held
+        needed = cdiv(req.num_computed_tokens + 1 + k, self.kv.block_size) - held
         if needed + reserve > self.kv.pool.num_free:
-            return []
-        allocated = self.kv.allocate_slots(req, 1 + len(proposal))
+            return [], 0
+        allocated = self.kv.allocate_slots(req, 1 + k)
         assert allocated, "the free blocks were counted"
-        return proposal
+        return proposal, k
 
     def _make_room(self, index: int, num_new: int, preempted: list[str]) -> bool:
         """Allocate slots for ``running[index]``, preempting the policy's victim among the
@@ -322,7 +332,7 @@ class Scheduler:
         return True
 
     def _scheduled(
-        self, req: Request, num_new: int, proposal: list[int] | None = None
+        self, req: Request, num_new: int, proposal: list[int] | None = None, draft_slots: int = 0
     ) -> ScheduledRequest:
         start = req.num_computed_tokens
         end = start + num_new
@@ -338,6 +348,7 @@ class Scheduler:
             output_token_ids=req.output_token_ids,
             eos_token_id=req.eos_token_id,
             spec_token_ids=proposal or [],
+            num_draft_slots=draft_slots,
         )
 
     # ----- applying the runner's results ------------------------------------------------
@@ -358,14 +369,15 @@ class Scheduler:
                 continue  # aborted while the step ran
             tokens = result.sampled.get(item.request_id) or []
             num_spec = len(item.spec_token_ids)
+            proposed = num_spec or result.num_proposed.get(item.request_id, 0)
             # of the proposals, only the accepted ones (all new tokens but the last) have KV
-            accepted = max(len(tokens) - 1, 0) if num_spec else 0
+            accepted = max(len(tokens) - 1, 0) if proposed else 0
             req.num_computed_tokens += item.num_tokens - num_spec + accepted
-            self.policy.charge(req, item.num_tokens)
-            if num_spec:
-                self._record_acceptance(num_spec, accepted)
+            self.policy.charge(req, item.num_tokens + proposed - num_spec)
+            if proposed:
+                self._record_acceptance(proposed, accepted)
             reason = self._append(req, tokens)
-            if num_spec:
+            if num_spec or item.num_draft_slots:
                 self.kv.trim(req)
             self.kv.cache_full_blocks(req)
             if not tokens:

@@ -15,6 +15,7 @@ for a greedy batch, the chosen ids) come back to the host.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ from pagellm.layers.quant_linear import quant_tensors, use_quant_kernel
 from pagellm.models.arch import ModelArch
 from pagellm.parallel.comm import Collectives
 from pagellm.runner.device import gpu_kv_budget
+from pagellm.runner.draft import DraftModel, Proposals
 from pagellm.runner.loader import ModelFiles, load_model
 from pagellm.runner.malloc import keep_heap_memory
 from pagellm.sampling.sampler import Sampler
@@ -56,18 +58,25 @@ def num_blocks_for(
     dtype: torch.dtype,
     comm: Collectives | None = None,
     budget_bytes: int | None = None,
+    draft: ModelArch | None = None,
 ) -> int:
     """KV blocks that fit this rank's budget: ``budget_bytes`` when given (a GPU's), else
-    ``kv_cache_memory`` GiB (per rank)."""
+    ``kv_cache_memory`` GiB (per rank); with a ``draft`` model, each block also holds its KV."""
     gib = cache.kv_cache_memory if budget_bytes is None else budget_bytes / GIB
-    return _blocks_in(gib, cache.num_gpu_blocks_override, arch, cache, dtype, comm)
+    return _blocks_in(gib, cache.num_gpu_blocks_override, arch, cache, dtype, comm, draft)
 
 
 def num_host_blocks_for(
-    arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, comm: Collectives | None = None
+    arch: ModelArch,
+    cache: CacheConfig,
+    dtype: torch.dtype,
+    comm: Collectives | None = None,
+    draft: ModelArch | None = None,
 ) -> int:
     """Host blocks for swapped-out KV in this rank's ``swap_space``."""
-    return _blocks_in(cache.swap_space, cache.num_host_blocks_override, arch, cache, dtype, comm)
+    return _blocks_in(
+        cache.swap_space, cache.num_host_blocks_override, arch, cache, dtype, comm, draft
+    )
 
 
 def _blocks_in(
@@ -77,10 +86,14 @@ def _blocks_in(
     cache: CacheConfig,
     dtype: torch.dtype,
     comm: Collectives | None,
+    draft: ModelArch | None = None,
 ) -> int:
     if override is not None:
         return override
-    return int(gib * GIB) // _bytes_per_block(arch, cache, dtype, comm)
+    per_block = _bytes_per_block(arch, cache, dtype, comm)
+    if draft is not None:
+        per_block += _bytes_per_block(draft, cache, dtype, None)
+    return int(gib * GIB) // per_block
 
 
 def _bytes_per_block(
@@ -94,6 +107,36 @@ def _bytes_per_block(
         cache.block_size,
         dtype,
     )
+
+
+def _backend(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cache: CacheConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> TorchAttentionBackend:
+    return TorchAttentionBackend(
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        cache.block_size,
+        dtype,
+        decode_kernel=load_paged_decode_kernel() if device.type == "cpu" else None,
+        device=device,
+        prefill_kernel=_prefill_kernel(device),
+        kv_format=kv_cache_format(cache.kv_cache_dtype),
+        calculate_kv_scales=cache.calculate_kv_scales,
+    )
+
+
+def _load(files: ModelFiles, dtype: torch.dtype, backend, comm, device: torch.device):
+    model = load_model(files, dtype, backend, comm, device)
+    if device.type == "cpu":
+        use_skinny_linears(model, load_skinny_linear_kernel())
+        use_quant_kernel(model, load_quant_linear_kernel())
+    return model
 
 
 def _prefill_kernel(device: torch.device):
@@ -116,7 +159,9 @@ class ModelRunner:
         microbatches: int = 1,
         device: torch.device | None = None,
         limits: StepLimits | None = None,
+        draft_files: ModelFiles | None = None,
     ) -> None:
+        """``draft_files``: the draft model of draft-model speculative decoding (one rank)."""
         arch = files.arch
         self.device = device = device or torch.device("cpu")
         if device.type == "cpu":
@@ -126,22 +171,23 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.comm = comm = comm or Collectives.single()
         layout = comm.layout
-        self.backend = TorchAttentionBackend(
+        self.backend = _backend(
             layout.split(arch.num_heads, "the number of attention heads").count,
             layout.kv_heads(arch.num_kv_heads).count,
             arch.head_dim,
-            cache.block_size,
+            cache,
             dtype,
-            decode_kernel=load_paged_decode_kernel() if device.type == "cpu" else None,
-            device=device,
-            prefill_kernel=_prefill_kernel(device),
-            kv_format=kv_cache_format(cache.kv_cache_dtype),
-            calculate_kv_scales=cache.calculate_kv_scales,
+            device,
         )
-        self.model = load_model(files, dtype, self.backend, comm, device)
-        if device.type == "cpu":
-            use_skinny_linears(self.model, load_skinny_linear_kernel())
-            use_quant_kernel(self.model, load_quant_linear_kernel())
+        self.model = _load(files, dtype, self.backend, comm, device)
+        draft_arch = draft_files.arch if draft_files is not None else None
+        draft_backend = draft_model = None
+        if draft_arch is not None:
+            draft_backend = _backend(
+                draft_arch.num_heads, draft_arch.num_kv_heads, draft_arch.head_dim, cache, dtype,
+                device,
+            )  # fmt: skip
+            draft_model = _load(draft_files, dtype, draft_backend, None, device)
         layers = layout.layers(arch.num_layers).count
         budget = None
         if device.type == "cuda" and cache.num_gpu_blocks_override is None:
@@ -152,12 +198,22 @@ class ModelRunner:
                 device, cache.gpu_memory_utilization, lambda: self.profile_step(limits)
             )
         cache_dtype = self.backend.cache_dtype
-        self.num_blocks = num_blocks_for(arch, cache, cache_dtype, comm, budget)
+        self.num_blocks = num_blocks_for(arch, cache, cache_dtype, comm, budget, draft_arch)
         self.kv_caches = self.backend.allocate_cache(layers, self.num_blocks)
-        self.num_host_blocks = num_host_blocks_for(arch, cache, cache_dtype, comm) if swap else 0
+        self.num_host_blocks = (
+            num_host_blocks_for(arch, cache, cache_dtype, comm, draft_arch) if swap else 0
+        )
         self.host_caches = self.backend.allocate_cache(layers, self.num_host_blocks, host=True)
-        self._set_checkpoint_kv_scales()
         """Separate host tensors for swapped-out KV (pinned under a GPU)."""
+        self._set_checkpoint_kv_scales()
+        self.draft = None
+        self.draft_max_model_len = draft_arch.max_position_embeddings if draft_arch else None
+        """Positions the draft model takes: no proposals past them."""
+        if draft_model is not None:
+            self.draft = DraftModel(
+                draft_model, draft_backend, draft_arch.num_layers, self.num_blocks,
+                self.num_host_blocks, device,
+            )  # fmt: skip
         self.sampler = Sampler()
         self.microbatches = microbatches if layout.pp_size > 1 else 1
         """Micro-batches per step under pipeline parallelism (one stage per process works on
@@ -224,16 +280,26 @@ class ModelRunner:
         # swap-outs read device blocks the forward (or a swap-in) may overwrite: copy them first
         copy_blocks(self.kv_caches, self.host_caches, sched.swap_out)
         copy_blocks(self.host_caches, self.kv_caches, sched.swap_in)
-        if sched.is_empty:
+        scheduled, proposals = sched.scheduled, None
+        if self.draft is not None:
+            # a preempted request's blocks are freed (recompute) or moved (swap): its draft KV
+            # is computed again from its first position when it next speculates
+            self.draft.forget(sched.finished_request_ids + sched.preempted_request_ids)
+            copy_blocks(self.draft.kv_caches, self.draft.host_caches, sched.swap_out)
+            copy_blocks(self.draft.host_caches, self.draft.kv_caches, sched.swap_in)
+            scheduled, proposals = self._draft_proposals(scheduled)
+        if not scheduled:
             return RunnerOutput({})
-        groups = split_batch(sched.scheduled, self.microbatches)
+        groups = split_batch(scheduled, self.microbatches)
         parts = [prepare_inputs(g, self.backend.is_row_wise, self.device) for g in groups]
         sample_reqs = [r for part in parts for r in part.sample_reqs]
         with torch.inference_mode():
             logits = self._logits(parts)
             if logits is None:
                 return RunnerOutput({})
-            result = self.sampler.sample_step(logits, sample_reqs)
+            result = self.sampler.sample_step(
+                logits, sample_reqs, proposals.probs if proposals else None
+            )
         sampled = {r.request_id: t for r, t in zip(sample_reqs, result.token_ids, strict=True)}
         logprobs = {
             r.request_id: lp for r, lp in zip(sample_reqs, result.logprobs, strict=True) if lp
@@ -241,7 +307,32 @@ class ModelRunner:
         failed = {sample_reqs[i].request_id: why for i, why in result.failed.items()}
         for request_id in failed:
             sampled.pop(request_id)
-        return RunnerOutput(sampled, logprobs, failed)
+        num_proposed = {}
+        if proposals is not None:
+            for req in sample_reqs:
+                proposed = len(req.spec_token_ids)
+                if req.num_draft_slots and req.request_id in sampled:
+                    num_proposed[req.request_id] = proposed
+                    accepted = len(sampled[req.request_id]) - 1
+                    self.draft.verified(req, proposed, accepted)
+        return RunnerOutput(sampled, logprobs, failed, num_proposed)
+
+    def _draft_proposals(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[list[ScheduledRequest], Proposals | None]:
+        """The step's requests with the draft model's proposals appended, and the proposals."""
+        speculating = [s for s in scheduled if s.num_draft_slots]
+        if not speculating:
+            return scheduled, None
+        with torch.inference_mode():
+            proposals = self.draft.propose(speculating, self.sampler)
+        out = []
+        for s in scheduled:
+            tokens = proposals.tokens.get(s.request_id)
+            if s.num_draft_slots and tokens:
+                s = dataclasses.replace(s, token_ids=s.token_ids + tokens, spec_token_ids=tokens)
+            out.append(s)
+        return out, proposals
 
     def _logits(self, parts: list[StepInputs]) -> torch.Tensor | None:
         """This rank's part of the forward over the step's micro-batches; the logits of the

@@ -54,8 +54,16 @@ class Sampler:
             self._generators.pop(rid, None)
             self._shaping.pop(rid, None)
 
-    def sample_step(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> StepSamples:
-        """``logits`` has ``1 + len(r.spec_token_ids)`` consecutive rows for each request."""
+    def sample_step(
+        self,
+        logits: torch.Tensor,
+        reqs: list[ScheduledRequest],
+        draft_probs: dict[str, torch.Tensor | None] | None = None,
+    ) -> StepSamples:
+        """``logits`` has ``1 + len(r.spec_token_ids)`` consecutive rows for each request;
+        ``draft_probs``: the distributions a draft model drew a request's proposals from (none:
+        the proposals were not sampled, as n-gram lookups)."""
+        draft_probs = draft_probs or {}
         counts = [1 + len(r.spec_token_ids) for r in reqs]
         plain = [i for i, c in enumerate(counts) if c == 1]
         out = StepSamples([[] for _ in reqs], [[] for _ in reqs])
@@ -83,7 +91,8 @@ class Sampler:
                 continue
             try:
                 rows = logits[starts[i] : starts[i] + counts[i]]
-                out.token_ids[i], out.logprobs[i] = self._verify(rows, reqs[i])
+                q = draft_probs.get(reqs[i].request_id)
+                out.token_ids[i], out.logprobs[i] = self._verify(rows, reqs[i], q)
             except Exception as exc:  # noqa: BLE001 - reported as that request's failure
                 out.failed[i] = f"sampling failed: {type(exc).__name__}: {exc}"
                 self.forget([reqs[i].request_id])
@@ -101,7 +110,7 @@ class Sampler:
                 out.failed[i] = result.failed[j]
 
     def _verify(
-        self, logits: torch.Tensor, req: ScheduledRequest
+        self, logits: torch.Tensor, req: ScheduledRequest, draft_probs: torch.Tensor | None
     ) -> tuple[list[int], list[TokenLogprobs]]:
         """One request's proposals against its rows: each row shaped as if the proposals
         before it were output already."""
@@ -118,9 +127,9 @@ class Sampler:
         if req.params.greedy:
             tokens = accept_greedy(proposal, shaped.argmax(dim=-1).tolist())
         else:
-            probs = _probs(shaped, views)
+            probs = sampling_probs(shaped, views)
             probs /= probs.sum(dim=-1, keepdim=True)  # min-p zeroed some: p_j must sum to 1
-            tokens = rejection_sample(probs, proposal, self._generator(req))
+            tokens = rejection_sample(probs, proposal, self.generator(req), draft_probs)
         if req.params.logprobs is None:
             return tokens, []
         lps = _logprobs(raw[: len(tokens)], tokens, views[: len(tokens)])
@@ -167,9 +176,9 @@ class Sampler:
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if not rows:
             return tokens
-        probs = _probs(logits[rows], [reqs[i] for i in rows])
+        probs = sampling_probs(logits[rows], [reqs[i] for i in rows])
         for j, i in enumerate(rows):
-            noise = torch.empty_like(probs[j]).exponential_(generator=self._generator(reqs[i]))
+            noise = torch.empty_like(probs[j]).exponential_(generator=self.generator(reqs[i]))
             tokens[i] = int(torch.argmax(probs[j] / noise))
         return tokens
 
@@ -181,7 +190,8 @@ class Sampler:
             shaping = self._shaping[req.request_id] = _shaping(req)
         return shaping
 
-    def _generator(self, req: ScheduledRequest) -> torch.Generator:
+    def generator(self, req: ScheduledRequest) -> torch.Generator:
+        """The request's own random stream (seeded from its seed on first use)."""
         gen = self._generators.get(req.request_id)
         if gen is None:
             gen = torch.Generator()
@@ -202,7 +212,7 @@ def _is_simple(req: ScheduledRequest) -> bool:
     )
 
 
-def _probs(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
+def sampling_probs(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
     """Sampling distributions of shaped rows: temperature, top-k / top-p, then min-p."""
     temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
     sub = logits / temps.unsqueeze(1)

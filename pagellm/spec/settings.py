@@ -15,7 +15,7 @@ from typing import Any
 from pagellm.config import SpeculativeConfig
 
 NGRAM_MODEL_NAMES = ("ngram", "[ngram]")
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 """Above this many running sequences a step makes no proposals: on a CPU the verify step's
@@ -35,7 +35,8 @@ _LEGACY = {
 
 @dataclass(frozen=True, slots=True)
 class SpecSettings:
-    """What the scheduler needs to propose tokens (method ``ngram``: prompt lookup)."""
+    """How tokens are proposed: method ``ngram`` (prompt lookup, in the scheduler) or
+    ``draft_model`` (``model``, a smaller model with the target's vocabulary, in the runner)."""
 
     method: str
     num_speculative_tokens: int
@@ -45,6 +46,10 @@ class SpecSettings:
     """No proposals in a step with more running sequences than this."""
     max_model_len: int | None = None
     """No proposals that would take a sequence past this length."""
+    model: str | None = None
+    """draft_model: HF directory or .gguf file of the draft."""
+    quantization: str | None = None
+    """draft_model: how the draft's weights are kept (as --quantization)."""
 
 
 def spec_settings(config: SpeculativeConfig) -> SpecSettings | None:
@@ -99,11 +104,16 @@ def _settings(raw: dict[str, Any]) -> SpecSettings:
         raise ValueError(
             f"--speculative-config: prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})"
         )
-    if raw.get("quantization") is not None:
+    quantization = raw.get("quantization")
+    if quantization is not None and method != "draft_model":
         raise ValueError("--speculative-config: quantization applies to a draft model only")
+    model = raw.get("model")
+    if method == "draft_model" and (not isinstance(model, str) or model in NGRAM_MODEL_NAMES):
+        raise ValueError("--speculative-config: method draft_model needs model (a path)")
     disable = _int(raw, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE, 1, None)
     max_len = _int(raw, "max_model_len", None, 2, None)
-    return SpecSettings(method, k, lo, hi, disable, max_len)
+    draft = method == "draft_model"
+    return SpecSettings(method, k, lo, hi, disable, max_len, model if draft else None, quantization)
 
 
 def _method(method: Any, model: Any) -> str:
@@ -114,10 +124,7 @@ def _method(method: Any, model: Any) -> str:
     if method in NGRAM_MODEL_NAMES:
         return "ngram"
     if method == "draft_model":
-        raise ValueError(
-            "--speculative-config: method draft_model (a separate draft model) is not built in "
-            "pagellm yet; use method ngram (prompt lookup)"
-        )
+        return method
     raise ValueError(
         f"--speculative-config: method {method!r} is not supported by pagellm "
         f"(one of {', '.join(METHODS)})"
