@@ -415,15 +415,22 @@ class _RandomVerifier:
         self.rng = None
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        out = {}
+        out, proposed = {}, {}
         for s in sched.scheduled:
-            if s.sample:
-                accepted = self.rng.randint(0, len(s.spec_token_ids))
-                out[s.request_id] = [*s.spec_token_ids[:accepted], self.rng.randrange(6)]
-        return RunnerOutput(out)
+            if not s.sample:
+                continue
+            # a draft model's proposals (num_draft_slots) or the scheduler's (n-gram)
+            spec = s.spec_token_ids or [self.rng.randrange(6) for _ in range(s.num_draft_slots)]
+            if s.num_draft_slots:
+                proposed[s.request_id] = len(spec)
+            accepted = self.rng.randint(0, len(spec))
+            out[s.request_id] = [*spec[:accepted], self.rng.randrange(6)]
+        return RunnerOutput(out, num_proposed=proposed)
 
 
 class SpecAllocatorMachine(RuleBasedStateMachine):
+    SPEC = ngram(4, disable_by_batch_size=4)
+
     def __init__(self) -> None:
         super().__init__()
         self.runner = _RandomVerifier(14, 10)
@@ -432,7 +439,7 @@ class SpecAllocatorMachine(RuleBasedStateMachine):
             ModelConfig(),
             CacheConfig(block_size=4, enable_prefix_caching=True),
             SchedulerConfig(6, 24, True, preemption_mode="swap"),
-            speculative=SpeculativeConfig(speculative_config=ngram(4, disable_by_batch_size=4)),
+            speculative=SpeculativeConfig(speculative_config=self.SPEC),
         )
         self.engine = LLMEngine(config, self.runner, FakeTokenizer(), 40, 1000, clock=FakeClock())
         self.counter = 0
@@ -485,8 +492,17 @@ class SpecAllocatorMachine(RuleBasedStateMachine):
         assert kv.host_pool.num_free == kv.host_pool.num_blocks
 
 
+class DraftSlotsAllocatorMachine(SpecAllocatorMachine):
+    """The same with draft-model slots: the runner fills them (here: random proposals)."""
+
+    SPEC = {"method": "draft_model", "model": "/unused", "num_speculative_tokens": 3,
+            "disable_by_batch_size": 4}  # fmt: skip
+
+
 TestSpecAllocator = SpecAllocatorMachine.TestCase
 TestSpecAllocator.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+TestDraftSlotsAllocator = DraftSlotsAllocatorMachine.TestCase
+TestDraftSlotsAllocator.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
 
 
 # ----- the server ---------------------------------------------------------------------------
@@ -611,6 +627,11 @@ def test_draft_model_under_preemption(tiny_models, reference, mode):
 def test_draft_model_sampling_is_seeded_and_stop_strings_hold(tiny_models, reference):
     params, expected = reference
     spec = _qwen3(tiny_models, speculative_config=draft(tiny_models, "qwen3", 3))
+    copies = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=2)
+    for out, want in zip(
+        spec.generate(PROMPTS[:4], copies, use_tqdm=False), expected, strict=False
+    ):
+        assert [c.token_ids for c in out.outputs] == [want[:30]] * 2
     seeded = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=s) for s in range(6)]
     first = _outputs(spec, PROMPTS[:6], seeded)
     assert _outputs(spec, PROMPTS[:6], seeded) == first
@@ -639,3 +660,20 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_models, tmp_path):
     spec = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="vocabulary of 1000 tokens"):
         LLM(str(tiny_models("qwen3")), dtype="float32", speculative_config=spec)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_ngram_with_tensor_and_pipeline_parallelism(tiny_models, reference, tp, pp):
+    params, expected = reference
+    with _qwen3(
+        tiny_models, speculative_config=ngram(3, disable_by_batch_size=64),
+        tensor_parallel_size=tp, pipeline_parallel_size=pp,
+    ) as llm:  # fmt: skip
+        assert _outputs(llm, PROMPTS, params) == expected
+        assert llm.engine.stats.spec_num_accepted_tokens > 0
+
+
+def test_a_draft_model_with_tensor_parallelism_is_refused(tiny_models):
+    with pytest.raises(ValueError, match="one rank"):
+        _qwen3(tiny_models, speculative_config=draft(tiny_models, "qwen3", 2),
+               tensor_parallel_size=2)  # fmt: skip

@@ -18,8 +18,8 @@ NGRAM_MODEL_NAMES = ("ngram", "[ngram]")
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
-"""Above this many running sequences a step makes no proposals: on a CPU the verify step's
-extra rows stop being nearly free at about this batch (``pagellm bench spec``; README)."""
+"""Above this many running sequences a step makes no proposals: measured with n-gram k=4 on
+ShareGPT, speculation gave 1.24x at 4 streams and 1.30x at 8, 0.60x at 16 (README)."""
 
 _KEYS = (
     "method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
