@@ -271,35 +271,6 @@ def test_greedy_identical_with_ngram_alone(tiny_models, reference, k):
     _assert_spec_worked(llm)
 
 
-def test_greedy_identical_in_a_mixed_batch_of_32_with_chunks_and_prefix_hits(tiny_models):
-    prompts = [PROMPTS[i % len(PROMPTS)] + " x" * (i // len(PROMPTS)) for i in range(32)]
-    params = [_params(i) for i in range(32)]
-    settings = dict(max_num_batched_tokens=48, max_num_seqs=32, block_size=4)
-    expected = _outputs(_qwen3(tiny_models, **settings), prompts, params)
-    llm = _qwen3(tiny_models, speculative_config=ngram(3, disable_by_batch_size=64), **settings)
-    assert _outputs(llm, prompts, params) == expected
-    stats = llm.engine.stats
-    assert stats.prefix_cache_hits > 0
-    _assert_spec_worked(llm)
-
-
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_greedy_identical_under_preemption(tiny_models, reference, mode):
-    params, _ = reference
-    expected = _outputs(_qwen3(tiny_models, max_model_len=112), PROMPTS, params)
-    settings = dict(
-        num_gpu_blocks_override=14, block_size=8, max_num_seqs=16, preemption_mode=mode,
-        num_host_blocks_override=64, max_model_len=112,
-    )  # fmt: skip
-    llm = _qwen3(tiny_models, speculative_config=ngram(4, disable_by_batch_size=64), **settings)
-    assert _outputs(llm, PROMPTS, params) == expected
-    stats = llm.engine.stats
-    assert stats.num_preemptions > 0
-    if mode == "swap":
-        assert stats.num_preemptions_swap > 0
-    _assert_spec_worked(llm, rejected=False)
-
-
 def test_n_copies_logprobs_and_penalties_keep_their_meaning(tiny_models):
     prompts = PROMPTS[:4]
     cases = [
@@ -594,34 +565,47 @@ def test_a_wrong_draft_changes_nothing_but_acceptance(tiny_models, reference):
     assert llm.engine.stats.spec_num_draft_tokens > 0 and _acceptance(llm) < 0.2
 
 
-def test_draft_model_batch_of_32_chunks_prefix_hits(tiny_models):
+def _method(tiny_models, method: str, k: int) -> dict:
+    """n-gram, or the tiny Qwen3 as its own draft (always switched on)."""
+    if method == "ngram":
+        return ngram(k, disable_by_batch_size=64)
+    return draft(tiny_models, "qwen3", k)
+
+
+def _check_method(llm, method: str) -> None:
+    if method == "draft":
+        assert _acceptance(llm) > 0.97  # the draft's KV followed the target's
+    _assert_spec_worked(llm, rejected=False)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_identical_in_a_mixed_batch_of_32_with_chunks_and_prefix_hits(tiny_models, method):
     prompts = [PROMPTS[i % len(PROMPTS)] + " x" * (i // len(PROMPTS)) for i in range(32)]
     params = [_params(i) for i in range(32)]
     settings = dict(max_num_batched_tokens=48, max_num_seqs=32, block_size=4)
     expected = _outputs(_qwen3(tiny_models, **settings), prompts, params)
-    llm = _qwen3(tiny_models, speculative_config=draft(tiny_models, "qwen3", 3), **settings)
+    llm = _qwen3(tiny_models, speculative_config=_method(tiny_models, method, 3), **settings)
     assert _outputs(llm, prompts, params) == expected
     assert llm.engine.stats.prefix_cache_hits > 0
-    assert _acceptance(llm) > 0.97
-    _assert_spec_worked(llm, rejected=False)
+    _check_method(llm, method)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_draft_model_under_preemption(tiny_models, reference, mode):
+def test_greedy_identical_under_preemption(tiny_models, reference, mode, method):
     params, _ = reference
     expected = _outputs(_qwen3(tiny_models, max_model_len=112), PROMPTS, params)
     settings = dict(
         num_gpu_blocks_override=14, block_size=8, max_num_seqs=16, preemption_mode=mode,
         num_host_blocks_override=64, max_model_len=112,
     )  # fmt: skip
-    llm = _qwen3(tiny_models, speculative_config=draft(tiny_models, "qwen3", 3), **settings)
+    llm = _qwen3(tiny_models, speculative_config=_method(tiny_models, method, 4), **settings)
     assert _outputs(llm, PROMPTS, params) == expected
     stats = llm.engine.stats
     assert stats.num_preemptions > 0
     if mode == "swap":
         assert stats.num_preemptions_swap > 0
-    assert _acceptance(llm) > 0.97  # the draft's KV followed preemption and swapping
-    _assert_spec_worked(llm, rejected=False)
+    _check_method(llm, method)
 
 
 def test_draft_model_sampling_is_seeded_and_stop_strings_hold(tiny_models, reference):
