@@ -421,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that write JSON and print a table")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from pagellm.bench import long_prompt, quantization, reliability, throughput
+    from pagellm.bench import long_prompt, quantization, reliability, step_profile, throughput
     from pagellm.bench import serve as bench_serve
 
     throughput.add_parser(bench_sub)
@@ -429,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     reliability.add_parser(bench_sub)
     long_prompt.add_parser(bench_sub)
     quantization.add_parser(bench_sub)
+    step_profile.add_parser(bench_sub)
     return parser
 
 

@@ -255,3 +255,26 @@ def test_prefix_workload_shares_prefixes_and_resends_history() -> None:
     two = ds.prefix_workload(4, 8, 2, 2, 1000, seed=1, num_prefixes=2)
     assert two[0].prompt_token_ids[:8] == two[2].prompt_token_ids[:8]
     assert two[0].prompt_token_ids[:8] != two[1].prompt_token_ids[:8]
+
+
+def test_bench_step_splits_a_decode_step_into_parts(tiny_models, tmp_path) -> None:
+    """``pagellm bench step`` on the tiny model: every part is measured, and the parts add up
+    to the step."""
+    from pagellm.bench.step_profile import PARTS
+    from pagellm.cli import main
+
+    out = tmp_path / "step.json"
+    argv = [
+        "bench", "step", "--model", str(tiny_models("llama")), "--dtype", "float32",
+        "--kv-cache-memory", "0.05", "--max-model-len", "256", "--batch-sizes", "1,3",
+        "--context-len", "40", "--steps", "4", "--warmup-steps", "1",
+        "--output-json", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert [r["batch_size"] for r in report["results"]] == [1, 3]
+    for row in report["results"]:
+        ms = row["ms_per_step"]
+        assert all(ms[p] >= 0 for p in PARTS)
+        assert ms["layers"] > 0 and ms["attention"] > 0 and ms["lm_head"] > 0
+        assert sum(ms[p] for p in PARTS) == pytest.approx(ms["step"], rel=1e-6)
