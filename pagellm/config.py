@@ -155,6 +155,19 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class CompilationConfig:
+    """Captured decode steps (vLLM's flags; ``pagellm/runner/capture_settings.py`` reads them)."""
+
+    enforce_eager: bool = False
+    """Run every step eager (no captured decode steps), as vLLM's --enforce-eager."""
+    compilation_config: str | None = None
+    """JSON object as vLLM's --compilation-config: {"cudagraph_capture_sizes": [1, 2, 4, 8]}
+    or {"max_cudagraph_capture_size": 64} (also "max_capture_size"). Decode steps of up to the
+    largest size run captured; by default that is min(2 x max_num_seqs, 512), as in vLLM. A YAML
+    file or LLM(...) may give the mapping itself."""
+
+
+@dataclass(frozen=True, slots=True)
 class StepLimits:
     """The largest step the scheduler may hand a runner: what a GPU rank profiles its
     activation memory with before sizing its KV cache."""
@@ -176,6 +189,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
 
     def step_limits(self, max_model_len: int) -> StepLimits:
         s = self.scheduler
@@ -199,6 +213,7 @@ _AREAS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "speculative": SpeculativeConfig,
+    "compilation": CompilationConfig,
 }
 
 

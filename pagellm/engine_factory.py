@@ -6,6 +6,7 @@ from __future__ import annotations
 from pagellm.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.models.arch import ModelArch
+from pagellm.runner.capture_settings import max_capture_size
 from pagellm.runner.device import resolve_device
 from pagellm.runner.loader import ModelFiles, open_model, resolve_dtype, resolve_source
 from pagellm.runner.model_runner import ModelRunner
@@ -16,6 +17,7 @@ from pagellm.spec.settings import SpecSettings, spec_settings
 def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
     check_kv_cache_settings(config)
     spec = spec_settings(config.speculative)  # a bad --speculative-config fails before loading
+    max_capture_size(config.compilation, config.scheduler.max_num_seqs)  # and --compilation-config
     source = resolve_source(config.model.model)
     files = open_model(source, config.model.quantization)
     arch = files.arch
@@ -42,6 +44,7 @@ def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
         executor = ModelRunner(
             files, dtype, config.cache, swap=swap, device=device,
             limits=config.step_limits(max_len), draft_files=draft_files,
+            capture_max_size=max_capture_size(config.compilation, config.scheduler.max_num_seqs),
         )  # fmt: skip
     engine = LLMEngine(
         config,

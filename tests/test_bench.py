@@ -275,6 +275,13 @@ def test_bench_step_splits_a_decode_step_into_parts(tiny_models, tmp_path) -> No
     assert [r["batch_size"] for r in report["results"]] == [1, 3]
     for row in report["results"]:
         ms = row["ms_per_step"]
-        assert all(ms[p] >= 0 for p in PARTS)
-        assert ms["layers"] > 0 and ms["attention"] > 0 and ms["lm_head"] > 0
+        assert row["captured"]  # decode steps run captured by default: attention inside layers
+        assert ms["attention"] is None
+        assert all(ms[p] >= 0 for p in PARTS if p != "attention")
+        assert ms["layers"] > 0 and ms["lm_head"] > 0
+        assert sum(ms[p] or 0 for p in PARTS) == pytest.approx(ms["step"], rel=1e-6)
+    assert main([*argv, "--enforce-eager"]) == 0
+    for row in json.loads(out.read_text())["results"]:
+        ms = row["ms_per_step"]
+        assert not row["captured"] and ms["attention"] > 0 and ms["layers"] > 0
         assert sum(ms[p] for p in PARTS) == pytest.approx(ms["step"], rel=1e-6)

@@ -4,7 +4,9 @@ For each batch size B, B requests with random ``--context-len``-token prompts ar
 then ``--steps`` decode steps of the engine are timed with each part measured where it runs:
 scheduling, the runner's input preparation, the forward's layers without attention, attention,
 the LM head, sampling, the scheduler's update, and what is left of the step (detokenizing,
-stop checks, building outputs). The parts are wall-clock times of the engine thread (the
+stop checks, building outputs). A captured decode step (``pagellm.runner.captured``) runs its
+layers and attention as one list of kernel calls: its attention is inside "layers" (shown
+as "-"); ``--enforce-eager`` profiles the eager step. The parts are wall-clock times of the engine thread (the
 forward's own threads are inside "layers" and "attention"). Single-process engines only.
 
 Output: a table of ms per step, headed by the CPU, and a JSON report (``--output-json``).
@@ -69,6 +71,8 @@ class StepTimer:
         self.wrap(engine.scheduler, "update", "update")
         self.wrap(runner, "execute", "execute")
         self.wrap(runner.model, "forward", "forward")
+        if runner.captured is not None:  # a captured step's forward: layers and attention
+            self.wrap(runner.captured, "forward", "forward")
         self.wrap(runner.backend, "forward", "attention")
         self.wrap(runner.model, "compute_logits", "lm_head")
         self.wrap(runner.sampler, "sample_step", "sampling")
@@ -114,14 +118,20 @@ def profile_batch(llm: Any, batch: int, args: argparse.Namespace) -> dict[str, A
         engine.step()  # prefill (chunked): every request has its first token
     for _ in range(args.warmup_steps):
         engine.step()
+    captured = engine.executor.captured
+    before = captured.num_steps if captured is not None else 0
     timer.active = True
     for _ in range(args.steps):
         engine.step()
     timer.active = False
+    ran_captured = captured is not None and captured.num_steps - before == args.steps
     engine.abort_requests(ids)
     parts = timer.per_step_ms(args.steps)
+    if ran_captured:
+        parts["attention"] = None  # inside the captured step's kernel list, not timed apart
     return {
         "batch_size": batch,
+        "captured": ran_captured,
         "ms_per_step": parts,
         "tokens_per_s": 1000.0 * batch / parts["step"],
     }
@@ -163,7 +173,8 @@ def render(report: dict[str, Any]) -> str:
     cfg = report["config"]
     rows = [
         [str(r["batch_size"]), f"{r['ms_per_step']['step']:.1f}",
-         *(f"{r['ms_per_step'][p]:.2f}" for p in PARTS), f"{r['tokens_per_s']:.1f}"]
+         *(_ms(r["ms_per_step"][p]) for p in PARTS), f"{r['tokens_per_s']:.1f}",
+         "yes" if r["captured"] else "no"]
         for r in report["results"]
     ]  # fmt: skip
     return "\n".join(
@@ -171,6 +182,10 @@ def render(report: dict[str, Any]) -> str:
             rep.cpu_line(report["environment"]),
             f"pagellm bench step: ms per decode step at {cfg['context_len']} tokens of context, "
             f"dtype={cfg['dtype']}, mean of {cfg['steps']} steps",
-            rep.format_table(["batch", "step", *PARTS, "tok/s"], rows),
+            rep.format_table(["batch", "step", *PARTS, "tok/s", "captured"], rows),
         ]
     )
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"

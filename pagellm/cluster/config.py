@@ -263,7 +263,7 @@ def _engine_args(values: Any, where: str) -> tuple[dict[str, Any], list[str]]:
             continue
         if key not in fields_by_name:
             raise ClusterConfigError(f"{where}: engine_args: unknown key {key!r}")
-        if key == "speculative_config" and isinstance(value, dict):
+        if key in ("speculative_config", "compilation_config") and isinstance(value, dict):
             value = json.dumps(value)  # vLLM's YAML gives the mapping; the flag takes JSON
         _check_type(value, fields_by_name[key], f"{where}: engine_args.{key}")
         for name, known in (("quantization", QUANTIZATION_METHODS),
@@ -275,7 +275,20 @@ def _engine_args(values: Any, where: str) -> tuple[dict[str, Any], list[str]]:
                 )
         args[key] = value
     _check_speculative(args, where)
+    _check_compilation(args, where)
     return args, notes
+
+
+def _check_compilation(args: dict[str, Any], where: str) -> None:
+    from pagellm.config import CompilationConfig
+    from pagellm.runner.capture_settings import max_capture_size
+
+    names = {f.name for f in dataclasses.fields(CompilationConfig)}
+    given = {k: v for k, v in args.items() if k in names}
+    try:
+        max_capture_size(CompilationConfig(**given), 1)
+    except ValueError as exc:
+        raise ClusterConfigError(f"{where}: engine_args: {exc}") from exc
 
 
 def _check_speculative(args: dict[str, Any], where: str) -> None:

@@ -9,6 +9,8 @@ of K / k_scale and V / v_scale): the caller passes ``scale * k_scale`` as the so
 from __future__ import annotations
 
 import ctypes
+import functools
+from collections.abc import Callable
 
 import torch
 
@@ -81,6 +83,28 @@ class PagedDecodeKernel:
         )
         if rc != 0:
             raise RuntimeError(f"paged_decode_attention failed with code {rc}")
+
+    def bind(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+    ) -> Callable[[], int]:
+        """A call attending with these very buffers (captured decode steps; a cache of q's
+        dtype); it returns the kernel's status (0: done)."""
+        assert q.is_contiguous() and out.is_contiguous() and block_tables.is_contiguous()
+        assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
+        _check_cache(q, k_cache, 0)
+        b, hq, d = q.shape
+        hkv, nb, bs, _ = k_cache.shape
+        args = (_DTYPE_CODES[q.dtype], 0, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d,
+                nb, bs, block_tables.shape[1], scale, 1.0, torch.get_num_threads())  # fmt: skip
+        return functools.partial(self._fn, *args)
 
 
 def load_paged_decode_kernel(extra_flags: tuple[str, ...] = ()) -> PagedDecodeKernel | None:

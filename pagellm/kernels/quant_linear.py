@@ -4,6 +4,8 @@ codes in the stored form of ``pagellm.quant.formats``."""
 from __future__ import annotations
 
 import ctypes
+import functools
+from collections.abc import Callable
 
 import torch
 
@@ -66,6 +68,17 @@ class QuantLinearKernel:
         if rc != 0:
             raise RuntimeError(f"quant_linear failed with code {rc} ({fmt.name}, {n}x{k})")
         return out
+
+    def bind(self, x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor) -> Callable[[], int]:
+        """A call computing ``out = x @ W^T`` in the few-rows path with these very buffers
+        (captured decode steps: the arguments are converted once); it returns the kernel's
+        status (0: done)."""
+        m, k = x.shape
+        assert x.is_contiguous() and out.is_contiguous() and m <= self.max_rows
+        assert out.shape == (m, w.shape[0]) and out.dtype == x.dtype
+        args = (_DTYPE_CODES[x.dtype], x.data_ptr(), *_layout(w), w.fmt.group(k), None,
+                out.data_ptr(), m, w.shape[0], k, torch.get_num_threads())  # fmt: skip
+        return functools.partial(self._linear, *args)
 
     def _panels(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         n, k = w.shape

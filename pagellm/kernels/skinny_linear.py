@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import functools
+from collections.abc import Callable
 
 import torch
 
@@ -54,6 +56,19 @@ class SkinnyLinearKernel:
         if rc != 0:
             raise RuntimeError(f"skinny_linear failed with code {rc}")
         return out
+
+    def bind(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
+    ) -> Callable[[], int]:
+        """A call computing ``out = x @ weight.T + bias`` with these very buffers (captured
+        decode steps); it returns the kernel's status (0: done)."""
+        assert self.applies(x, weight) and x.is_contiguous() and out.is_contiguous()
+        assert bias is None or bias.is_contiguous()
+        m, k = x.shape
+        args = (_DTYPE_CODES[x.dtype], x.data_ptr(), weight.data_ptr(),
+                bias.data_ptr() if bias is not None else None, out.data_ptr(), m,
+                weight.shape[0], k, torch.get_num_threads())  # fmt: skip
+        return functools.partial(self._fn, *args)
 
 
 def load_skinny_linear_kernel(vector_width: int | None = None) -> SkinnyLinearKernel | None:

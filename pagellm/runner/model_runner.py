@@ -16,6 +16,7 @@ for a greedy batch, the chosen ids) come back to the host.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from pagellm.attention.kv_cache import kv_cache_format
 from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.config import GIB, CacheConfig, StepLimits
 from pagellm.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from pagellm.kernels.decode_ops import load_decode_ops
 from pagellm.kernels.paged_attention import load_paged_decode_kernel, load_paged_prefill_kernel
 from pagellm.kernels.quant_linear import load_quant_linear_kernel
 from pagellm.kernels.skinny_linear import load_skinny_linear_kernel
@@ -33,11 +35,14 @@ from pagellm.layers.linear import use_skinny_linears
 from pagellm.layers.quant_linear import quant_tensors, use_quant_kernel
 from pagellm.models.arch import ModelArch
 from pagellm.parallel.comm import Collectives
+from pagellm.runner.captured import CapturedDecoder, unsupported_reason
 from pagellm.runner.device import gpu_kv_budget
 from pagellm.runner.draft import DraftModel, Proposals
 from pagellm.runner.loader import ModelFiles, load_model
 from pagellm.runner.malloc import keep_heap_memory
 from pagellm.sampling.sampler import Sampler
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,8 +165,11 @@ class ModelRunner:
         device: torch.device | None = None,
         limits: StepLimits | None = None,
         draft_files: ModelFiles | None = None,
+        capture_max_size: int = 0,
     ) -> None:
-        """``draft_files``: the draft model of draft-model speculative decoding (one rank)."""
+        """``draft_files``: the draft model of draft-model speculative decoding (one rank);
+        ``capture_max_size``: decode steps of up to this many sequences run captured (0:
+        none, see ``pagellm.runner.captured``)."""
         arch = files.arch
         self.device = device = device or torch.device("cpu")
         if device.type == "cpu":
@@ -214,10 +222,26 @@ class ModelRunner:
                 draft_model, draft_backend, draft_arch.num_layers, self.num_blocks,
                 self.num_host_blocks, device,
             )  # fmt: skip
+        self.captured = self._captured_decoder(capture_max_size)
         self.sampler = Sampler()
         self.microbatches = microbatches if layout.pp_size > 1 else 1
         """Micro-batches per step under pipeline parallelism (one stage per process works on
         one while the next stage works on the one before)."""
+
+    def _captured_decoder(self, max_size: int) -> CapturedDecoder | None:
+        if max_size <= 0:
+            return None
+        why = unsupported_reason(self.model, self.backend, self.device)
+        ops = load_decode_ops() if why is None else None
+        if why is None and ops is None:
+            why = "the decode ops did not build (no C++ compiler?)"
+        if why is not None:
+            log.info("decode steps run eager: %s", why)
+            return None
+        log.info("decode steps of up to %d sequences run captured", max_size)
+        return CapturedDecoder(
+            self.model, self.backend, self.kv_caches, ops, max_size, self.block_size
+        )
 
     def _set_checkpoint_kv_scales(self) -> None:
         """An FP8 cache takes the checkpoint's per-layer k_scale / v_scale where it has them
@@ -290,11 +314,14 @@ class ModelRunner:
             scheduled, proposals = self._draft_proposals(scheduled)
         if not scheduled:
             return RunnerOutput({})
-        groups = split_batch(scheduled, self.microbatches)
-        parts = [prepare_inputs(g, self.backend.is_row_wise, self.device) for g in groups]
-        sample_reqs = [r for part in parts for r in part.sample_reqs]
         with torch.inference_mode():
-            logits = self._logits(parts)
+            if self.captured is not None and self.captured.runs(scheduled):
+                sample_reqs, logits = self._captured_logits(scheduled)
+            else:
+                groups = split_batch(scheduled, self.microbatches)
+                parts = [prepare_inputs(g, self.backend.is_row_wise, self.device) for g in groups]
+                sample_reqs = [r for part in parts for r in part.sample_reqs]
+                logits = self._logits(parts)
             if logits is None:
                 return RunnerOutput({})
             result = self.sampler.sample_step(
@@ -316,6 +343,18 @@ class ModelRunner:
                     accepted = len(sampled[req.request_id]) - 1
                     self.draft.verified(req, proposed, accepted)
         return RunnerOutput(sampled, logprobs, failed, num_proposed)
+
+    def _captured_logits(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
+        """A decode step run captured: the sampling requests and their logits."""
+        hidden = self.captured.forward(scheduled)
+        rows = [i for i, s in enumerate(scheduled) if s.sample]
+        if not rows:
+            return [], None
+        if len(rows) < len(scheduled):
+            hidden = hidden.index_select(0, torch.tensor(rows, dtype=torch.long))
+        return [scheduled[i] for i in rows], self.model.compute_logits(hidden)
 
     def _draft_proposals(
         self, scheduled: list[ScheduledRequest]

@@ -1,0 +1,256 @@
+"""Captured decode steps: the CPU counterpart of vLLM's CUDA graphs.
+
+Eager PyTorch dispatches a few hundred ops per decode step (norms, rotary, splits, residual
+adds, each layer's glue around its projections), and at a handful of sequences that dispatch
+costs more than the arithmetic. A captured step is a fixed list of bare kernel calls over
+static buffers, recorded once per batch size: per layer a fused residual-add + RMSNorm, the
+Q/K/V projection, rotary + K/V cache write, paged decode attention, the output projection, a
+second add + norm, gate/up, SiLU-and-multiply and down (``pagellm.kernels.decode_ops`` for the
+glue, the quantized / few-rows linear kernels and the decode attention kernel for the rest).
+Every argument (pointers into the weights, the KV cache and the static buffers, shapes, thread
+count) is converted once when the plan is built; a step copies its token ids, positions, slots,
+context lengths and block tables into the static inputs and runs the list.
+
+Which steps: those whose every sequence computes one token (decodes, no proposals), with at most
+``max_size`` sequences. A CPU gains nothing from padding a batch up to a bucket (a padded row
+costs the same arithmetic as a real one), so each batch size gets its own plan, built on first
+use (about a millisecond). Under eager-only settings (``--enforce-eager``), with tensor or
+pipeline parallelism, an FP8 KV cache, q/k norms or a GPU, steps stay eager.
+
+A linear layer that is not one bare kernel call (several quantized parts, a bias after a
+quantized projection, more rows than a kernel's few-rows path, a bf16 dense weight) runs as
+its module into the static buffer: still correct, only less fused.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagellm.engine.outputs import ScheduledRequest
+from pagellm.kernels.decode_ops import DTYPE_CODES, DecodeOps
+from pagellm.layers.linear import Linear
+from pagellm.layers.quant_linear import QuantLinear, QuantPart
+
+Call = Callable[[], Any]
+
+
+def unsupported_reason(model: nn.Module, backend: Any, device: torch.device) -> str | None:
+    """Why this model cannot run captured decode steps, or None when it can."""
+    if device.type != "cpu":
+        return "captured steps are built for the CPU (a GPU runs eager)"
+    if model.comm.tp is not None or model.comm.layout.pp_size > 1:
+        return "tensor/pipeline parallelism runs eager"
+    if backend.decode_kernel is None:
+        return "no decode attention kernel (no C++ compiler?)"
+    if backend.kv_format.fp8 is not None:
+        return "an FP8 KV cache runs eager"
+    if not DecodeOps.supports(backend.dtype):
+        return f"dtype {backend.dtype} runs eager"
+    if model.norm is None or model.embed_tokens is None:
+        return "a model without its embedding or final norm"
+    attn = model.layers[0].self_attn
+    if attn.q_norm is not None:
+        return "q/k norms run eager"
+    if attn.rotary.cos.shape[-1] * 2 != attn.head_dim:
+        return "partial rotary runs eager"
+    return None
+
+
+class StepInputs:
+    """The static input tensors of every plan: rows [0, batch) are a step's sequences."""
+
+    def __init__(self, rows: int, table_width: int) -> None:
+        self.ids = torch.zeros(rows, dtype=torch.long)
+        self.positions = torch.zeros(rows, dtype=torch.long)
+        self.slots = torch.zeros(rows, dtype=torch.long)
+        self.context_lens = torch.ones(rows, dtype=torch.int32)
+        self.block_tables = torch.zeros(rows, table_width, dtype=torch.int32)
+        self.table_rows: list[tuple[str, int] | None] = [None] * rows
+        """Which request's block table (and how many of its blocks) each row holds: a row is
+        rewritten only when that changes."""
+
+    def fill(self, scheduled: list[ScheduledRequest], block_size: int) -> None:
+        b = len(scheduled)
+        positions = [s.start_pos for s in scheduled]
+        slots = [
+            s.block_ids[p // block_size] * block_size + p % block_size
+            for s, p in zip(scheduled, positions, strict=True)
+        ]
+        self.ids[:b] = torch.tensor([s.token_ids[0] for s in scheduled], dtype=torch.long)
+        self.positions[:b] = torch.tensor(positions, dtype=torch.long)
+        self.slots[:b] = torch.tensor(slots, dtype=torch.long)
+        self.context_lens[:b] = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
+        for i, s in enumerate(scheduled):
+            held = (s.request_id, len(s.block_ids))
+            if self.table_rows[i] != held:
+                self.block_tables[i, : len(s.block_ids)] = torch.tensor(
+                    s.block_ids, dtype=torch.int32
+                )
+                self.table_rows[i] = held
+
+
+class Activations:
+    """Static activation buffers for up to ``rows`` sequences; a plan uses views of their first
+    rows, so every plan shares them (steps never overlap)."""
+
+    def __init__(self, rows: int, model: nn.Module, dtype: torch.dtype) -> None:
+        a = model.layers[0]
+        attn, mlp = a.self_attn, a.mlp
+        hidden = model.arch.hidden_size
+
+        def buf(width: int) -> torch.Tensor:
+            return torch.zeros(rows, width, dtype=dtype)
+
+        self.residual = buf(hidden)
+        self.normed = buf(hidden)
+        self.qkv = buf(attn.q_size + 2 * attn.kv_size)
+        self.q = buf(attn.q_size)
+        self.attn = buf(attn.q_size)
+        self.proj = buf(hidden)
+        self.gate_up = buf(2 * mlp.intermediate)
+        self.act = buf(mlp.intermediate)
+
+
+class CapturedDecoder:
+    """Plans of bare kernel calls for decode steps of up to ``max_size`` sequences."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: Any,
+        kv_caches: list[Any],
+        ops: DecodeOps,
+        max_size: int,
+        block_size: int,
+    ) -> None:
+        self.model, self.backend, self.kv_caches, self.ops = model, backend, kv_caches, ops
+        self.max_size = max_size
+        self.block_size = block_size
+        self.dtype = backend.dtype
+        self.inputs = StepInputs(max_size, 64)
+        self.acts = Activations(max_size, model, self.dtype)
+        self.plans: dict[int, list[Call]] = {}
+        self.num_steps = 0
+        """Steps run captured so far (tests and the step profile read it)."""
+
+    def runs(self, scheduled: list[ScheduledRequest]) -> bool:
+        """Whether this step runs captured: decodes only, at most ``max_size`` of them."""
+        return 0 < len(scheduled) <= self.max_size and all(
+            s.num_tokens == 1 and not s.spec_token_ids for s in scheduled
+        )
+
+    def forward(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        """The final hidden states [batch, hidden] of this decode step (a view of a static
+        buffer, valid until the next step); the K/V of its tokens are in the cache."""
+        b = len(scheduled)
+        widest = max(len(s.block_ids) for s in scheduled)
+        if widest > self.inputs.block_tables.shape[1]:
+            self._widen_tables(widest)
+        self.inputs.fill(scheduled, self.block_size)
+        plan = self.plans.get(b)
+        if plan is None:
+            plan = self.plans[b] = self._build(b)
+        for call in plan:
+            rc = call()
+            if rc:
+                raise RuntimeError(f"a captured decode step's kernel failed with code {rc}")
+        self.num_steps += 1
+        return self.acts.normed[:b]
+
+    def _widen_tables(self, blocks: int) -> None:
+        """Block tables wider than any plan was built for: new tables, plans built again."""
+        width = self.inputs.block_tables.shape[1]
+        while width < blocks:
+            width *= 2
+        self.inputs = StepInputs(self.max_size, width)
+        self.plans.clear()
+
+    # ----- building a plan ------------------------------------------------------------
+
+    def _build(self, b: int) -> list[Call]:
+        model, acts, ops, code = self.model, self.acts, self.ops, DTYPE_CODES[self.dtype]
+        threads = torch.get_num_threads()
+        residual, normed = acts.residual[:b], acts.normed[:b]
+        ids = self.inputs.ids[:b]
+
+        def embed() -> int:
+            residual.copy_(model.embed_tokens(ids))
+            return 0
+
+        plan: list[Call] = [embed]
+        x = None  # the residual stream's pending addend (none before the first layer)
+        for layer, cache in zip(model.layers, self.kv_caches, strict=True):
+            plan.append(self._norm(layer.input_layernorm, x, b, code, threads))
+            plan += self._attention(layer.self_attn, cache, b, code, threads)
+            plan.append(self._norm(layer.post_attention_layernorm, acts.proj[:b], b, code, threads))
+            plan.append(self._linear(layer.mlp.gate_up_proj, normed, acts.gate_up[:b]))
+            plan.append(
+                functools.partial(ops.silu_mul, code, acts.gate_up.data_ptr(),
+                                  acts.act.data_ptr(), b, layer.mlp.intermediate, threads)
+            )  # fmt: skip
+            plan.append(self._linear(layer.mlp.down_proj, acts.act[:b], acts.proj[:b]))
+            x = acts.proj[:b]
+        plan.append(self._norm(model.norm, x, b, code, threads))
+        return plan
+
+    def _norm(self, norm: nn.Module, x: torch.Tensor | None, b: int, code: int, threads: int):
+        """residual += x (when given); normed = norm(residual)."""
+        acts = self.acts
+        x_ptr = x.data_ptr() if x is not None else acts.residual.data_ptr()
+        res_ptr = acts.residual.data_ptr() if x is not None else None
+        return functools.partial(
+            self.ops.add_rms_norm, code, x_ptr, res_ptr, norm.weight.data_ptr(),
+            acts.normed.data_ptr(), b, norm.weight.shape[0], norm.eps, threads,
+        )  # fmt: skip
+
+    def _attention(self, attn: nn.Module, cache: Any, b: int, code: int, threads: int):
+        acts, inputs = self.acts, self.inputs
+        hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        k, v = cache.k, cache.v
+        cache_rows = k.shape[1] * k.shape[2]
+        rope = functools.partial(
+            self.ops.rope_kv_write, code, acts.qkv.data_ptr(), inputs.positions.data_ptr(),
+            attn.rotary.cos.data_ptr(), attn.rotary.sin.data_ptr(), acts.q.data_ptr(),
+            k.data_ptr(), v.data_ptr(), inputs.slots.data_ptr(), b, hq, hkv, d, cache_rows,
+            threads,
+        )  # fmt: skip
+        attend = self.backend.decode_kernel.bind(
+            acts.q[:b].view(b, hq, d), k, v, inputs.block_tables[:b], inputs.context_lens[:b],
+            acts.attn[:b].view(b, hq, d), self.backend.scale * cache.k_scale,
+        )  # fmt: skip
+        return [
+            self._linear(attn.qkv_proj, acts.normed[:b], acts.qkv[:b]),
+            rope,
+            attend,
+            self._linear(attn.o_proj, acts.attn[:b], acts.proj[:b]),
+        ]
+
+    def _linear(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> Call:
+        """One bare kernel call where the layer is one, else the module into ``out``."""
+        if isinstance(layer, QuantLinear) and layer.bias is None and len(layer.parts) == 1:
+            part = layer.parts[0]
+            if isinstance(part, QuantPart):
+                kernel = part.kernel
+                if (
+                    kernel is not None
+                    and part.perm is None
+                    and kernel.applies(x)
+                    and x.shape[0] <= kernel.max_rows
+                ):
+                    return kernel.bind(x, part.stored(), out)
+            elif isinstance(part, Linear):
+                layer = part
+        skinny = layer.skinny if isinstance(layer, Linear) else None
+        if skinny is not None and skinny.applies(x, layer.weight):
+            return skinny.bind(x, layer.weight, layer.bias, out)
+
+        def run_module() -> int:
+            out.copy_(layer(x))
+            return 0
+
+        return run_module

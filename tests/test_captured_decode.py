@@ -1,0 +1,211 @@
+"""Captured decode steps (pagellm/runner/captured.py): the same tokens as eager steps and as
+transformers, in batches, under chunked prefill, prefix hits, preemption (recompute and swap)
+and block tables that outgrow the captured ones; the fused glue ops against the eager modules;
+vLLM's --enforce-eager / --compilation-config settings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from llm_helpers import MIXED_PROMPTS, greedy, tiny_llm
+from reference import compare_greedy, hf_greedy
+
+from pagellm import LLM, SamplingParams
+from pagellm.config import CompilationConfig
+from pagellm.runner.capture_settings import max_capture_size
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [list(c.token_ids) for o in outputs for c in o.outputs]
+
+
+def _captured_steps(llm: LLM) -> int:
+    captured = llm.engine.executor.captured
+    return 0 if captured is None else captured.num_steps
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2"])
+def test_captured_greedy_matches_transformers_and_eager(tiny_models, arch):
+    import transformers
+
+    path = tiny_models(arch)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in (3, 33, 90)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    captured = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_model_len=512)
+    eager = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_model_len=512,
+                enforce_eager=True)  # fmt: skip
+    ours = _tokens(captured.generate(prompts, params, use_tqdm=False))
+    assert _captured_steps(captured) >= 19 and eager.engine.executor.captured is None
+    assert ours == _tokens(eager.generate(prompts, params, use_tqdm=False))
+    for i, prompt in enumerate(prompts):
+        compare_greedy(ours[i], hf_greedy(hf, prompt, 20), f"{arch}#{i}")
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_captured_equals_eager_under_chunks_prefix_hits_and_preemption(tiny_models, mode):
+    """A small cache and small steps: chunked prefill, prefix-cache hits and preemption all
+    happen while other sequences decode captured."""
+    kw = dict(num_gpu_blocks_override=16, max_model_len=256, max_num_batched_tokens=24,
+              preemption_mode=mode, swap_space=0.01)  # fmt: skip
+    params = greedy([60, 40, 50, 70, 45, 55])
+    captured = tiny_llm(tiny_models, **kw)
+    eager = tiny_llm(tiny_models, enforce_eager=True, **kw)
+    ours = _tokens(captured.generate(MIXED_PROMPTS, params, use_tqdm=False))
+    assert ours == _tokens(eager.generate(MIXED_PROMPTS, params, use_tqdm=False))
+    assert captured.get_stats().num_preemptions > 0
+    assert _captured_steps(captured) > 10
+    assert len(captured.engine.executor.captured.plans) > 1  # several batch sizes
+
+
+def test_captured_bf16_equals_eager(tiny_models):
+    """bf16 rounds where the eager model rounds (norm, rotary, SiLU, residual adds)."""
+    prompts = [list(range(200, 200 + n)) for n in (4, 17, 50, 9)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for eager in (False, True):
+        llm = tiny_llm(tiny_models, dtype="bfloat16", enforce_eager=eager)
+        outs.append(_tokens(llm.generate(prompts, params, use_tqdm=False)))
+    assert outs[0] == outs[1]
+
+
+def test_block_tables_wider_than_captured_ones(tiny_models):
+    """Block size 2: a 300-token context needs 150 blocks, more than the first tables hold;
+    the tables widen and the plans are built again."""
+    prompt = list(range(1000, 1300))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    captured = tiny_llm(tiny_models, block_size=2, kv_cache_memory=0.01)
+    eager = tiny_llm(tiny_models, block_size=2, kv_cache_memory=0.01, enforce_eager=True)
+    ours = _tokens(captured.generate([prompt], params, use_tqdm=False))
+    assert ours == _tokens(eager.generate([prompt], params, use_tqdm=False))
+    assert captured.engine.executor.captured.inputs.block_tables.shape[1] >= 151
+
+
+def test_capture_sizes_bound_the_captured_batch(tiny_models):
+    llm = tiny_llm(tiny_models, compilation_config={"cudagraph_capture_sizes": [1, 2]})
+    eager = tiny_llm(tiny_models, enforce_eager=True)
+    prompts = ["one", "two two", "three three three"]
+    params = greedy([12, 12, 12])
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(
+        eager.generate(prompts, params, use_tqdm=False)
+    )
+    assert set(llm.engine.executor.captured.plans) <= {1, 2}
+    assert llm.engine.executor.captured.max_size == 2
+
+
+def test_unsupported_settings_run_eager(tiny_models):
+    fp8 = tiny_llm(tiny_models, kv_cache_dtype="fp8")
+    assert fp8.engine.executor.captured is None
+    qwen3 = LLM(str(tiny_models("qwen3")), dtype="float32", kv_cache_memory=0.01,
+                max_model_len=512)  # fmt: skip
+    assert qwen3.engine.executor.captured is None
+    out = qwen3.generate(["hello"], greedy([4])[0], use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_ops_match_the_eager_modules(dtype):
+    from pagellm.kernels.decode_ops import DTYPE_CODES, load_decode_ops
+    from pagellm.layers.norm import RMSNorm
+    from pagellm.layers.rotary import RotaryEmbedding, inverse_frequencies
+
+    ops = load_decode_ops()
+    assert ops is not None
+    code, gen = DTYPE_CODES[dtype], torch.Generator().manual_seed(0)
+    rows, hidden = 5, 96
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(hidden, generator=gen).to(dtype)
+    out = torch.empty_like(x)
+    res = residual.clone()
+    assert ops.add_rms_norm(code, x.data_ptr(), res.data_ptr(), norm.weight.data_ptr(),
+                            out.data_ptr(), rows, hidden, 1e-5, 2) == 0  # fmt: skip
+    expected_res = residual + x
+    assert torch.equal(res, expected_res)
+    with torch.no_grad():
+        torch.testing.assert_close(out, norm(expected_res), rtol=1e-5, atol=1e-5) if (
+            dtype == torch.float32
+        ) else _within_one_ulp(out, norm(expected_res))
+
+    hq, hkv, d = 3, 1, 16
+    rotary = RotaryEmbedding(d, 64, inverse_frequencies(d, 10000.0, None, None))
+    qkv = torch.randn(rows, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    positions = torch.tensor([0, 5, 9, 33, 63])
+    k_cache = torch.zeros(hkv, 4, 16, d, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([3, 17, -1, 40, 63])
+    q_out = torch.empty(rows, hq, d, dtype=dtype)
+    assert ops.rope_kv_write(code, qkv.data_ptr(), positions.data_ptr(), rotary.cos.data_ptr(),
+                             rotary.sin.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(),
+                             v_cache.data_ptr(), slots.data_ptr(), rows, hq, hkv, d, 64, 2) == 0  # fmt: skip
+    heads = qkv.view(rows, hq + 2 * hkv, d)
+    rotated = rotary(positions, heads[:, : hq + hkv])
+    assert torch.equal(q_out, rotated[:, :hq])
+    for r, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        assert torch.equal(k_cache.view(hkv, 64, d)[:, slot], rotated[r, hq:])
+        assert torch.equal(v_cache.view(hkv, 64, d)[:, slot], heads[r, hq + hkv :])
+    written = {s for s in slots.tolist() if s >= 0}
+    untouched = [s for s in range(64) if s not in written]
+    assert not k_cache.view(hkv, 64, d)[:, untouched].any()
+
+    inter = 40
+    gate_up = torch.randn(rows, 2 * inter, generator=gen).to(dtype)
+    act = torch.empty(rows, inter, dtype=dtype)
+    assert ops.silu_mul(code, gate_up.data_ptr(), act.data_ptr(), rows, inter, 2) == 0
+    gate, up = gate_up.split(inter, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    if dtype == torch.float32:
+        torch.testing.assert_close(act, expected, rtol=1e-6, atol=1e-6)
+    else:
+        _within_one_ulp(act, expected)
+
+
+def _within_one_ulp(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """bf16 values equal but where float32 summation order moved a rounding by one step."""
+    diff = (actual.float() - expected.float()).abs()
+    ulp = expected.float().abs() * 2.0**-7 + 1e-30
+    assert bool((diff <= ulp).all()), float((diff / ulp).max())
+    assert (actual == expected).float().mean() > 0.97
+
+
+def test_capture_settings_follow_vllm():
+    assert max_capture_size(CompilationConfig(), 256) == 512
+    assert max_capture_size(CompilationConfig(), 8) == 16
+    assert max_capture_size(CompilationConfig(enforce_eager=True), 8) == 0
+    sizes = json.dumps({"cudagraph_capture_sizes": [1, 2, 4, 24]})
+    assert max_capture_size(CompilationConfig(compilation_config=sizes), 256) == 24
+    assert max_capture_size(CompilationConfig(compilation_config={"max_capture_size": 5}), 8) == 5
+    off = {"cudagraph_mode": "NONE", "level": 3}
+    assert max_capture_size(CompilationConfig(compilation_config=off), 8) == 0
+    for bad in ({"cudagraph_capture_sizes": [0]}, {"cudagraph_capture_sizes": "8"},
+                {"no_such_key": 1}, {"use_cudagraph": "yes"}, "[1, 2]", "{not json"):  # fmt: skip
+        with pytest.raises(ValueError, match="compilation-config"):
+            max_capture_size(CompilationConfig(compilation_config=bad), 8)
+
+
+def test_bad_compilation_config_fails_before_loading(tiny_models):
+    with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
+        tiny_llm(tiny_models, compilation_config='{"cudagraph_capture_sizes": [-1]}')
+
+
+def test_cluster_file_takes_compilation_config_mapping(tmp_path):
+    from pagellm.cluster.config import ClusterConfigError, load_cluster_config
+
+    def write(engine_args: str):
+        path = tmp_path / "cluster.yaml"
+        path.write_text(
+            "deployment_config:\n  served_model_name: x\nengine_args:\n" + engine_args,
+            encoding="utf-8",
+        )
+        return path
+
+    ok = load_cluster_config(write("  compilation_config:\n    cudagraph_capture_sizes: [1, 8]\n"))
+    assert json.loads(ok.engine_args["compilation_config"]) == {"cudagraph_capture_sizes": [1, 8]}
+    with pytest.raises(ClusterConfigError, match="compilation-config"):
+        load_cluster_config(write("  compilation_config:\n    cudagraph_capture_sizes: oops\n"))
