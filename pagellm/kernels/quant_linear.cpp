@@ -142,6 +142,24 @@ inline __m256 decode8(const uint8_t* row, int c) {
 // AVX-512 CPUs have too) eight at a time by the instructions; otherwise element by element.
 template <Code C>
 inline vf decode(const uint8_t* row, int c) {
+#if defined(__AVX512F__)
+  // sixteen integer codes widened by one instruction (a 4-bit half-block: its 16 bytes, low
+  // nibbles for the block's first 16 inputs, high ones for the rest)
+  if constexpr (VW == 16 && C != FP8_E4M3) {
+    __m512i v;
+    if constexpr (C == INT8) {
+      v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
+    } else {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (c >> 5) * 16));
+      v = _mm512_cvtepu8_epi32(bytes);
+      v = (c & 16) ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15));
+    }
+    const __m512 f = _mm512_cvtepi32_ps(v);
+    vf out;
+    std::memcpy(&out, &f, sizeof out);
+    return out;
+  }
+#endif
   vf out;
 #if defined(QL_AVX2_DECODE)
   static_assert(VW % 8 == 0, "vector width a multiple of 8");
