@@ -209,3 +209,28 @@ def test_cluster_file_takes_compilation_config_mapping(tmp_path):
     assert json.loads(ok.engine_args["compilation_config"]) == {"cudagraph_capture_sizes": [1, 8]}
     with pytest.raises(ClusterConfigError, match="compilation-config"):
         load_cluster_config(write("  compilation_config:\n    cudagraph_capture_sizes: oops\n"))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_verify_steps_run_captured_and_keep_greedy_exact(tiny_models, method):
+    """Under speculative decoding a step's rows are each sequence's last token and its
+    proposals: captured, each row attends up to its own position, and greedy outputs equal the
+    eager engine's without speculation."""
+    spec = {"method": method, "num_speculative_tokens": 3, "disable_by_batch_size": 64}
+    if method == "ngram":
+        spec |= {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    else:
+        spec["model"] = str(tiny_models("llama"))  # the model itself: proposals are accepted
+    prompts = ["one two three four five one two three", "a b a b a b a", *MIXED_PROMPTS[:3]]
+    params = greedy([30] * len(prompts))
+    reference = _tokens(
+        tiny_llm(tiny_models, enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    )
+    llm = tiny_llm(tiny_models, speculative_config=spec)
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == reference
+    stats = llm.get_stats()
+    assert stats.spec_num_drafts > 0
+    if method == "draft_model":  # a random model's text rarely repeats: n-gram proposals miss
+        assert stats.spec_num_accepted_tokens > 0
+    captured = llm.engine.executor.captured
+    assert any(rows > len(prompts) for rows in captured.plans)  # steps with proposals' rows

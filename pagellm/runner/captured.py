@@ -11,9 +11,11 @@ Every argument (pointers into the weights, the KV cache and the static buffers, 
 count) is converted once when the plan is built; a step copies its token ids, positions, slots,
 context lengths and block tables into the static inputs and runs the list.
 
-Which steps: those whose every sequence computes one token (decodes, no proposals), with at most
-``max_size`` sequences. A CPU gains nothing from padding a batch up to a bucket (a padded row
-costs the same arithmetic as a real one), so each batch size gets its own plan, built on first
+Which steps: those whose every sequence decodes, with at most ``max_size`` rows: one token per
+sequence, or its last token and the proposals after it under speculative decoding. Each row
+attends with the decode kernel up to its own position, after the whole step's K/V are written
+(so a proposal sees the ones before it). A CPU gains nothing from padding a batch up to a bucket (a padded row
+costs the same arithmetic as a real one), so each number of rows gets its own plan, built on first
 use (about a millisecond). Under eager-only settings (``--enforce-eager``), with tensor or
 pipeline parallelism, an FP8 KV cache, q/k norms or a GPU, steps stay eager.
 
@@ -74,24 +76,33 @@ class StepInputs:
         """Which request's block table (and how many of its blocks) each row holds: a row is
         rewritten only when that changes."""
 
-    def fill(self, scheduled: list[ScheduledRequest], block_size: int) -> None:
-        b = len(scheduled)
-        positions = [s.start_pos for s in scheduled]
-        slots = [
-            s.block_ids[p // block_size] * block_size + p % block_size
-            for s, p in zip(scheduled, positions, strict=True)
-        ]
-        self.ids[:b] = torch.tensor([s.token_ids[0] for s in scheduled], dtype=torch.long)
+    def fill(self, scheduled: list[ScheduledRequest], block_size: int) -> int:
+        """Copy the step's rows in (a sequence's tokens are consecutive rows); returns how
+        many rows there are."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for s in scheduled:
+            ids += s.token_ids
+            for p in range(s.start_pos, s.start_pos + s.num_tokens):
+                positions.append(p)
+                slots.append(s.block_ids[p // block_size] * block_size + p % block_size)
+        b = len(ids)
+        self.ids[:b] = torch.tensor(ids, dtype=torch.long)
         self.positions[:b] = torch.tensor(positions, dtype=torch.long)
         self.slots[:b] = torch.tensor(slots, dtype=torch.long)
-        self.context_lens[:b] = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
-        for i, s in enumerate(scheduled):
+        self.context_lens[:b] = torch.tensor(positions, dtype=torch.int32) + 1
+        row = 0
+        for s in scheduled:
             held = (s.request_id, len(s.block_ids))
-            if self.table_rows[i] != held:
-                self.block_tables[i, : len(s.block_ids)] = torch.tensor(
-                    s.block_ids, dtype=torch.int32
-                )
-                self.table_rows[i] = held
+            for _ in range(s.num_tokens):
+                if self.table_rows[row] != held:
+                    self.block_tables[row, : len(s.block_ids)] = torch.tensor(
+                        s.block_ids, dtype=torch.int32
+                    )
+                    self.table_rows[row] = held
+                row += 1
+        return b
 
 
 class Activations:
@@ -139,19 +150,20 @@ class CapturedDecoder:
         """Steps run captured so far (tests and the step profile read it)."""
 
     def runs(self, scheduled: list[ScheduledRequest]) -> bool:
-        """Whether this step runs captured: decodes only, at most ``max_size`` of them."""
-        return 0 < len(scheduled) <= self.max_size and all(
-            s.num_tokens == 1 and not s.spec_token_ids for s in scheduled
+        """Whether this step runs captured: every sequence decodes (its last token, and the
+        tokens proposed after it when it speculates), at most ``max_size`` rows in all."""
+        rows = sum(s.num_tokens for s in scheduled)
+        return 0 < rows <= self.max_size and all(
+            s.num_tokens == 1 + len(s.spec_token_ids) for s in scheduled
         )
 
     def forward(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
-        """The final hidden states [batch, hidden] of this decode step (a view of a static
-        buffer, valid until the next step); the K/V of its tokens are in the cache."""
-        b = len(scheduled)
+        """The final hidden states [rows, hidden] of this step, one row per token (a view of a
+        static buffer, valid until the next step); the K/V of its tokens are in the cache."""
         widest = max(len(s.block_ids) for s in scheduled)
         if widest > self.inputs.block_tables.shape[1]:
             self._widen_tables(widest)
-        self.inputs.fill(scheduled, self.block_size)
+        b = self.inputs.fill(scheduled, self.block_size)
         plan = self.plans.get(b)
         if plan is None:
             plan = self.plans[b] = self._build(b)

@@ -347,14 +347,21 @@ class ModelRunner:
     def _captured_logits(
         self, scheduled: list[ScheduledRequest]
     ) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
-        """A decode step run captured: the sampling requests and their logits."""
+        """A decode step run captured: the sampling requests and the logits of their rows
+        (the last one, or the last ``1 + len(spec_token_ids)``)."""
         hidden = self.captured.forward(scheduled)
-        rows = [i for i, s in enumerate(scheduled) if s.sample]
+        rows: list[int] = []
+        end = 0
+        for s in scheduled:
+            end += s.num_tokens
+            if s.sample:
+                rows.extend(range(end - 1 - len(s.spec_token_ids), end))
         if not rows:
             return [], None
-        if len(rows) < len(scheduled):
+        if len(rows) < hidden.shape[0]:
             hidden = hidden.index_select(0, torch.tensor(rows, dtype=torch.long))
-        return [scheduled[i] for i in rows], self.model.compute_logits(hidden)
+        sample_reqs = [s for s in scheduled if s.sample]
+        return sample_reqs, self.model.compute_logits(hidden)
 
     def _draft_proposals(
         self, scheduled: list[ScheduledRequest]
