@@ -127,3 +127,23 @@ def test_engine_error_reaches_every_stream_and_marks_unhealthy():
     with pytest.raises(EngineDeadError):
         asyncio.run(after())
     front.shutdown()
+
+
+def test_releasing_the_openmp_pool_keeps_parallel_work_running():
+    """The server frees its loading thread's OpenMP pool before the engine thread steps;
+    parallel ops on either thread still run (libgomp builds a new pool when one is needed)."""
+    import threading
+
+    import torch
+
+    from pagellm.openmp_env import release_thread_pool
+
+    x = torch.randn(512, 512)
+    expected = x @ x
+    assert release_thread_pool()  # torch's CPU wheels use libgomp
+    assert torch.allclose(x @ x, expected)
+    results = []
+    worker = threading.Thread(target=lambda: results.append(torch.allclose(x @ x, expected)))
+    worker.start()
+    worker.join(60)
+    assert results == [True]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.outputs import RequestOutput
 from pagellm.engine.sampling_params import SamplingParams
+from pagellm.openmp_env import release_thread_pool
 
 
 class EngineDeadError(RuntimeError):
@@ -105,6 +106,9 @@ class AsyncLLMEngine:
     # ----- lifecycle --------------------------------------------------------------------
 
     def start(self) -> None:
+        # the model was loaded on this thread: its idle OpenMP pool would make the engine
+        # thread's workers sleep between parallel regions (see release_thread_pool)
+        release_thread_pool()
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
