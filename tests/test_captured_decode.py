@@ -166,6 +166,29 @@ def test_fused_ops_match_the_eager_modules(dtype):
         _within_one_ulp(act, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [5, 16, 17, 1000])
+def test_argmax_kernel_matches_torch_ties_nans_and_strides(dtype, vocab):
+    from pagellm.kernels.decode_ops import load_decode_ops
+
+    ops = load_decode_ops()
+    assert ops is not None
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(10, vocab, generator=gen).to(dtype)
+    x[1] = 0  # all tied: the first index
+    x[2, vocab // 2] = float("nan")  # NaN wins, as in torch
+    x[3, -1] = float("nan")  # in the tail past the vector chunks
+    x[4] = float("-inf")
+    x[5, 0] = float("nan")
+    x[6, -1] = 100.0
+    x[7, 1::2] = 7.0  # ties across vector lanes: still the first
+    assert ops.argmax(x) == x.argmax(dim=-1).tolist()
+    rows = torch.randn(40, vocab + 3, generator=gen).to(dtype)[:, 1 : vocab + 1]  # row stride
+    assert ops.argmax(rows) == rows.argmax(dim=-1).tolist()
+    strided = torch.randn(6, 2 * vocab, generator=gen).to(dtype)[:, ::2]  # not contiguous
+    assert ops.argmax(strided) == strided.argmax(dim=-1).tolist()
+
+
 def _within_one_ulp(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """bf16 values equal but where float32 summation order moved a rounding by one step."""
     diff = (actual.float() - expected.float()).abs()

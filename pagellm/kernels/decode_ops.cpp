@@ -109,23 +109,148 @@ void rope_kv_write(const void* qkv, const int64_t* positions, const float* cos, 
   }
 }
 
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+
+inline vf splat(float x) { return vf{} + x; }
+
+// e^x, lane-wise, within ~1 ulp of the correctly rounded value (as the vectorized exp eager
+// PyTorch uses): x = n ln2 + r with ln2 split in two so n ln2 is exact, e^r by Cephes's
+// polynomial, times 2^n built in the exponent bits. Below the least normal result it returns
+// 2^-126-ish (silu's 1 + e^-x is then 1 either way); above the float range it returns inf.
+inline vf exp_v(vf x) {
+  const vf hi = splat(88.3762626647949f), lo = splat(-87.3365478515625f);
+  const vi overflow = x > hi;
+  x = x > hi ? hi : x;
+  x = x < lo ? lo : x;
+  const vf t = x * splat(1.44269504088896341f) + splat(0.5f);
+  vi n = __builtin_convertvector(t, vi);  // truncates toward zero: floor for t < 0 below
+  n += __builtin_convertvector(n, vf) > t;  // a true lane is -1
+  const vf fn = __builtin_convertvector(n, vf);
+  x = x - fn * splat(0.693359375f);
+  x = x - fn * splat(-2.12194440e-4f);
+  const vf z = x * x;
+  vf y = splat(1.9875691500e-4f);
+  y = y * x + splat(1.3981999507e-3f);
+  y = y * x + splat(8.3334519073e-3f);
+  y = y * x + splat(4.1665795894e-2f);
+  y = y * x + splat(1.6666665459e-1f);
+  y = y * x + splat(5.0000001201e-1f);
+  y = y * z + x + splat(1.f);
+  const vi bits = (n + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  y = y * scale;
+  return overflow ? splat(__builtin_inff()) : y;
+}
+
+// VW values of T as floats, and floats stored as T (bf16: rounded to nearest even, as store()).
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+inline vf load_t(const float* p) { return loadv(p); }
+inline vf load_t(const uint16_t* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  const vu bits = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+inline void store_t(float* p, vf v) { storev(p, v); }
+inline void store_t(uint16_t* p, vf v) {
+  vu u;
+  std::memcpy(&u, &v, sizeof u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  const vh h = __builtin_convertvector(u >> 16, vh);
+  std::memcpy(p, &h, sizeof h);
+}
+inline vf round_v(vf v, const float*) { return v; }
+inline vf round_v(vf v, const uint16_t*) {
+  vu u;
+  std::memcpy(&u, &v, sizeof u);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
 // out[r] = silu(gate) * up over rows of fused [gate | up] (inter each): silu rounded to T, then
-// the product (F.silu(gate) * up).
+// the product (F.silu(gate) * up). VW lanes at a time; a tail narrower than VW goes through a
+// zero-padded chunk.
+template <typename T>
+inline void silu_mul_chunk(const T* g, const T* u, T* dst) {
+  const vf x = load_t(g);
+  const vf act = round_v(x / (splat(1.f) + exp_v(-x)), static_cast<const T*>(nullptr));
+  store_t(dst, act * load_t(u));
+}
+
+template <typename T>
+void silu_mul_row(const T* g, const T* u, T* dst, int inter) {
+  int i = 0;
+  for (; i + VW <= inter; i += VW) silu_mul_chunk<T>(g + i, u + i, dst + i);
+  if (i == inter) return;
+  T gt[VW] = {}, ut[VW] = {}, out[VW];
+  for (int j = i; j < inter; ++j) gt[j - i] = g[j], ut[j - i] = u[j];
+  silu_mul_chunk<T>(gt, ut, out);
+  for (int j = i; j < inter; ++j) dst[j] = out[j - i];
+}
+
 template <typename T>
 void silu_mul(const void* gate_up, void* out, int rows, int inter, int threads) {
   const T* in = static_cast<const T*>(gate_up);
   T* o = static_cast<T*>(out);
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 4)
   for (int r = 0; r < rows; ++r) {
     const T* g = in + static_cast<int64_t>(r) * 2 * inter;
-    const T* u = g + inter;
-    T* dst = o + static_cast<int64_t>(r) * inter;
-    for (int i = 0; i < inter; ++i) {
-      const float x = to_float(g[i]);
-      const float act = round_to<T>(x / (1.f + std::exp(-x)));
-      store(dst + i, act * to_float(u[i]));
+    silu_mul_row<T>(g, g + inter, o + static_cast<int64_t>(r) * inter, inter);
+  }
+}
+
+// Index of the greatest value of one row, the first one among equals; a NaN counts as greater
+// than any number (torch.argmax), so a row holding one takes the scalar path.
+template <typename T>
+int64_t argmax_row(const T* x, int n) {
+  int i = 0;
+  if (n >= VW) {
+    vf best = load_t(x);
+    vi at, lane;
+    for (int j = 0; j < VW; ++j) lane[j] = j;
+    at = lane;
+    vi nan = best != best;
+    for (i = VW; i + VW <= n; i += VW) {
+      const vf v = load_t(x + i);
+      const vi more = v > best;
+      best = more ? v : best;
+      at = more ? lane + i : at;
+      nan |= v != v;
+    }
+    bool any_nan = false;
+    for (int j = 0; j < VW; ++j) any_nan |= nan[j] != 0;
+    if (!any_nan) {
+      int64_t arg = at[0];
+      float top = best[0];
+      for (int j = 1; j < VW; ++j)
+        if (best[j] > top || (best[j] == top && at[j] < arg)) top = best[j], arg = at[j];
+      for (; i < n; ++i) {
+        const float v = to_float(x[i]);
+        if (v != v) break;  // a NaN in the tail: the scalar path below decides
+        if (v > top) top = v, arg = i;
+      }
+      if (i == n) return arg;
     }
   }
+  int64_t arg = 0;
+  float top = to_float(x[0]);
+  for (i = 1; i < n && top == top; ++i) {
+    const float v = to_float(x[i]);
+    if (v > top || v != v) top = v, arg = i;
+  }
+  return arg;
+}
+
+template <typename T>
+void argmax_rows(const void* x, int rows, int n, int64_t stride, int64_t* out, int threads) {
+  const T* xs = static_cast<const T*>(x);
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 4)
+  for (int r = 0; r < rows; ++r) out[r] = argmax_row<T>(xs + r * stride, n);
 }
 
 }  // namespace
@@ -159,6 +284,15 @@ extern "C" int decode_silu_mul(int dtype_code, const void* gate_up, void* out, i
                                int inter, int threads) {
   if (dtype_code == 0) silu_mul<float>(gate_up, out, rows, inter, threads);
   else if (dtype_code == 1) silu_mul<uint16_t>(gate_up, out, rows, inter, threads);
+  else return 1;
+  return 0;
+}
+
+extern "C" int decode_argmax_rows(int dtype_code, const void* x, int rows, int n, int64_t stride,
+                                  int64_t* out, int threads) {
+  if (n < 1) return 1;
+  if (dtype_code == 0) argmax_rows<float>(x, rows, n, stride, out, threads);
+  else if (dtype_code == 1) argmax_rows<uint16_t>(x, rows, n, stride, out, threads);
   else return 1;
   return 0;
 }

@@ -1,5 +1,5 @@
 """Python face of the fused decode-step glue (decode_ops.cpp): residual add + RMSNorm, rotary +
-K/V cache write, SiLU-and-multiply. The ctypes functions are exposed as they are, so that a
+K/V cache write, SiLU-and-multiply; and the greedy argmax over logits rows. The ctypes functions are exposed as they are, so that a
 captured step (``pagellm.runner.captured``) binds their arguments once and calls them bare."""
 
 from __future__ import annotations
@@ -25,6 +25,22 @@ class DecodeOps:
         self.silu_mul = lib.decode_silu_mul
         self.silu_mul.restype = i
         self.silu_mul.argtypes = [i, ptr, ptr, i, i, i]
+        self._argmax = lib.decode_argmax_rows
+        self._argmax.restype = i
+        self._argmax.argtypes = [i, ptr, i, i, i64, ptr, i]
+
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """``logits.argmax(dim=-1).tolist()`` of CPU rows [rows, vocab] (float32 or bf16, last
+        dimension contiguous), the first index among equal maxima, NaN above all (as torch)."""
+        rows, n = logits.shape
+        if logits.stride(1) != 1 or logits.dtype not in DTYPE_CODES or not logits.is_cpu:
+            return logits.argmax(dim=-1).tolist()
+        out = torch.empty(rows, dtype=torch.int64)
+        rc = self._argmax(DTYPE_CODES[logits.dtype], logits.data_ptr(), rows, n,
+                          logits.stride(0), out.data_ptr(), torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"decode_argmax_rows failed with code {rc}")
+        return out.tolist()
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -33,5 +49,7 @@ class DecodeOps:
 
 def load_decode_ops() -> DecodeOps | None:
     """The ops built for this CPU, or None without a compiler."""
-    lib = build_library("decode_ops.cpp", ("-fopenmp", "-ffp-contract=off"))
+    # in the source's order: a product eager code rounds, and the exp's split ln2, stay exact
+    flags = ("-fopenmp", "-ffp-contract=off", "-fno-associative-math")
+    lib = build_library("decode_ops.cpp", flags)
     return DecodeOps(lib) if lib is not None else None

@@ -223,7 +223,8 @@ class ModelRunner:
                 self.num_host_blocks, device,
             )  # fmt: skip
         self.captured = self._captured_decoder(capture_max_size)
-        self.sampler = Sampler()
+        ops = load_decode_ops() if device.type == "cpu" else None
+        self.sampler = Sampler(argmax=ops.argmax if ops is not None else None)
         self.microbatches = microbatches if layout.pp_size > 1 else 1
         """Micro-batches per step under pipeline parallelism (one stage per process works on
         one while the next stage works on the one before)."""
