@@ -34,6 +34,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python")
     p.add_argument("--vllm-model", default="/tmp/smol-bf16-hf")
     p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--kv-cache-gib", type=int, default=2, help="vLLM's VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--output-json", default=None)
     return p.parse_args(argv)
@@ -59,7 +60,9 @@ def systems(args: argparse.Namespace) -> list[tuple[str, list[str], dict[str, st
     if not args.skip_vllm:
         vllm = [args.vllm_python, str(HERE / "vllm_cli.py"), "serve", args.vllm_model, *common,
                 "--host", "127.0.0.1"]  # fmt: skip
-        out.append(("vllm serve", vllm, dict(env, VLLM_CPU_NUM_OF_RESERVED_CPU="0")))
+        vllm_env = dict(env, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                        VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib))  # fmt: skip
+        out.append(("vllm serve", vllm, vllm_env))
     return out
 
 
