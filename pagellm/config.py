@@ -7,6 +7,7 @@ so the names follow vLLM's where vLLM has the setting. This module imports no to
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,3 +221,24 @@ _AREAS: dict[str, type] = {
 def flat_fields() -> list[tuple[str, dataclasses.Field]]:
     """All settings as (name, field) pairs, for CLI/YAML derivation."""
     return [(f.name, f) for sub in _AREAS.values() for f in dataclasses.fields(sub)]
+
+
+def json_object_flag(value: str | dict | None, flag: str, known: tuple[str, ...]) -> dict[str, Any]:
+    """A JSON-object flag (``--speculative-config``, ``--compilation-config``) as a dict: the JSON
+    text, or the mapping itself (a YAML file, ``LLM(...)``); empty when unset. Bad JSON, a
+    non-object or a key outside ``known`` raise ValueError naming the flag."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{flag} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ValueError(
+            f"{flag}: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}"
+        )
+    return dict(value)

@@ -56,31 +56,9 @@ class PagedDecodeKernel:
         v_scale: float = 1.0,
     ) -> None:
         """q/out [B, Hq, D]; caches [Hkv, blocks, block_size, D]; int32 tables [B, max_blocks]."""
-        assert q.is_contiguous() and out.is_contiguous() and block_tables.is_contiguous()
-        assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
-        _check_cache(q, k_cache, kv_code)
-        b, hq, d = q.shape
-        hkv, nb, bs, _ = k_cache.shape
-        rc = self._fn(
-            _DTYPE_CODES[q.dtype],
-            kv_code,
-            q.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            block_tables.data_ptr(),
-            context_lens.data_ptr(),
-            out.data_ptr(),
-            b,
-            hq,
-            hkv,
-            d,
-            nb,
-            bs,
-            block_tables.shape[1],
-            scale,
-            v_scale,
-            torch.get_num_threads(),
-        )
+        args = _decode_args(q, k_cache, v_cache, block_tables, context_lens, out, scale, kv_code,
+                            v_scale)  # fmt: skip
+        rc = self._fn(*args)
         if rc != 0:
             raise RuntimeError(f"paged_decode_attention failed with code {rc}")
 
@@ -96,15 +74,30 @@ class PagedDecodeKernel:
     ) -> Callable[[], int]:
         """A call attending with these very buffers (captured decode steps; a cache of q's
         dtype); it returns the kernel's status (0: done)."""
-        assert q.is_contiguous() and out.is_contiguous() and block_tables.is_contiguous()
-        assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
-        _check_cache(q, k_cache, 0)
-        b, hq, d = q.shape
-        hkv, nb, bs, _ = k_cache.shape
-        args = (_DTYPE_CODES[q.dtype], 0, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d,
-                nb, bs, block_tables.shape[1], scale, 1.0, torch.get_num_threads())  # fmt: skip
+        args = _decode_args(q, k_cache, v_cache, block_tables, context_lens, out, scale, 0, 1.0)
         return functools.partial(self._fn, *args)
+
+
+def _decode_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    kv_code: int,
+    v_scale: float,
+) -> tuple:
+    """The decode kernel's C arguments for these tensors, checked."""
+    assert q.is_contiguous() and out.is_contiguous() and block_tables.is_contiguous()
+    assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
+    _check_cache(q, k_cache, kv_code)
+    b, hq, d = q.shape
+    hkv, nb, bs, _ = k_cache.shape
+    return (_DTYPE_CODES[q.dtype], kv_code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, nb,
+            bs, block_tables.shape[1], scale, v_scale, torch.get_num_threads())  # fmt: skip
 
 
 def load_paged_decode_kernel(extra_flags: tuple[str, ...] = ()) -> PagedDecodeKernel | None:

@@ -11,10 +11,9 @@ ValueError naming the key. This module imports no torch.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from pagellm.config import CompilationConfig
+from pagellm.config import CompilationConfig, json_object_flag
 
 DEFAULT_MAX_CAPTURE_SIZE = 512
 
@@ -66,19 +65,6 @@ def _positive_int(value: Any) -> bool:
 
 
 def _raw_mapping(value: str | dict | None) -> dict[str, Any]:
-    if value is None or value == "":
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--compilation-config is not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise ValueError("--compilation-config must be a JSON object")
-    unknown = sorted(set(value) - set(_SIZE_KEYS) - set(_SWITCH_KEYS) - set(_VLLM_KEYS))
-    if unknown:
-        raise ValueError(
-            f"--compilation-config: unknown key(s) {', '.join(map(repr, unknown))}; "
-            f"known: {', '.join((*_SIZE_KEYS, *_SWITCH_KEYS, *_VLLM_KEYS))}"
-        )
-    return dict(value)
+    return json_object_flag(
+        value, "--compilation-config", (*_SIZE_KEYS, *_SWITCH_KEYS, *_VLLM_KEYS)
+    )

@@ -8,11 +8,10 @@ keys (a key given both ways must agree). Bad settings raise ValueError naming th
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from pagellm.config import SpeculativeConfig
+from pagellm.config import SpeculativeConfig, json_object_flag
 
 NGRAM_MODEL_NAMES = ("ngram", "[ngram]")
 METHODS = ("ngram", "draft_model")
@@ -71,22 +70,7 @@ def spec_settings(config: SpeculativeConfig) -> SpecSettings | None:
 
 
 def _raw_mapping(value: str | dict | None) -> dict[str, Any]:
-    if value is None or value == "":
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--speculative-config is not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise ValueError("--speculative-config must be a JSON object")
-    unknown = sorted(set(value) - set(_KEYS))
-    if unknown:
-        raise ValueError(
-            f"--speculative-config: unknown key(s) {', '.join(map(repr, unknown))}; "
-            f"known: {', '.join(_KEYS)}"
-        )
-    return dict(value)
+    return json_object_flag(value, "--speculative-config", _KEYS)
 
 
 def _settings(raw: dict[str, Any]) -> SpecSettings:
