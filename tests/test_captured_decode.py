@@ -257,3 +257,22 @@ def test_verify_steps_run_captured_and_keep_greedy_exact(tiny_models, method):
         assert stats.spec_num_accepted_tokens > 0
     captured = llm.engine.executor.captured
     assert any(rows > len(prompts) for rows in captured.plans)  # steps with proposals' rows
+
+
+def test_block_table_rows_follow_changed_blocks_of_equal_count():
+    """A request may hold as many blocks as before but other ones (its speculative proposals'
+    block trimmed and another allocated, or a preempted request back with new blocks): the
+    captured step's table must follow the ids, not the count."""
+    from pagellm.engine.outputs import ScheduledRequest
+    from pagellm.runner.captured import StepInputs
+
+    inputs = StepInputs(rows=2, table_width=4)
+
+    def step(blocks: list[int]) -> list[int]:
+        s = ScheduledRequest("r", [7], 17, blocks, True, SamplingParams(), 0, [1], [], None)
+        inputs.fill([s], block_size=16)
+        return inputs.block_tables[0, : len(blocks)].tolist()
+
+    assert step([3, 5]) == [3, 5]
+    assert step([3, 9]) == [3, 9]
+    assert inputs.slots[0].item() == 9 * 16 + 1

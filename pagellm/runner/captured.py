@@ -72,9 +72,10 @@ class StepInputs:
         self.slots = torch.zeros(rows, dtype=torch.long)
         self.context_lens = torch.ones(rows, dtype=torch.int32)
         self.block_tables = torch.zeros(rows, table_width, dtype=torch.int32)
-        self.table_rows: list[tuple[str, int] | None] = [None] * rows
-        """Which request's block table (and how many of its blocks) each row holds: a row is
-        rewritten only when that changes."""
+        self.table_rows: list[list[int] | None] = [None] * rows
+        """The block table each row holds: a row is rewritten only when it changes. Compared
+        by value: after speculative proposals are trimmed or a preempted request returns, a
+        request holds as many blocks as before but not the same ones."""
 
     def fill(self, scheduled: list[ScheduledRequest], block_size: int) -> int:
         """Copy the step's rows in (a sequence's tokens are consecutive rows); returns how
@@ -94,13 +95,12 @@ class StepInputs:
         self.context_lens[:b] = torch.tensor(positions, dtype=torch.int32) + 1
         row = 0
         for s in scheduled:
-            held = (s.request_id, len(s.block_ids))
             for _ in range(s.num_tokens):
-                if self.table_rows[row] != held:
+                if self.table_rows[row] != s.block_ids:
                     self.block_tables[row, : len(s.block_ids)] = torch.tensor(
                         s.block_ids, dtype=torch.int32
                     )
-                    self.table_rows[row] = held
+                    self.table_rows[row] = list(s.block_ids)
                 row += 1
         return b
 
