@@ -169,6 +169,43 @@ class CompilationConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class StructuredOutputsConfig:
+    """Structured outputs (vLLM's flag; ``structured_settings`` reads it)."""
+
+    structured_outputs_config: str | None = None
+    """JSON object as vLLM's --structured-outputs-config: {"backend": "xgrammar",
+    "disable_any_whitespace": false}. backend: auto or xgrammar (the one pagellm has);
+    disable_any_whitespace: JSON outputs without free whitespace. A YAML file or LLM(...) may
+    give the mapping itself."""
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredSettings:
+    backend: str = "xgrammar"
+    disable_any_whitespace: bool = False
+
+
+STRUCTURED_BACKENDS = ("auto", "xgrammar")
+
+
+def structured_settings(config: StructuredOutputsConfig) -> StructuredSettings:
+    """The parsed --structured-outputs-config; raises ValueError naming a bad key or value."""
+    flag = "--structured-outputs-config"
+    raw = json_object_flag(
+        config.structured_outputs_config, flag, ("backend", "disable_any_whitespace")
+    )
+    backend = raw.get("backend", "auto")
+    if backend not in STRUCTURED_BACKENDS:
+        raise ValueError(
+            f"{flag}: backend {backend!r} is not available (one of {', '.join(STRUCTURED_BACKENDS)})"
+        )
+    no_ws = raw.get("disable_any_whitespace", False)
+    if not isinstance(no_ws, bool):
+        raise ValueError(f"{flag}: disable_any_whitespace must be true or false")
+    return StructuredSettings("xgrammar", no_ws)
+
+
+@dataclass(frozen=True, slots=True)
 class StepLimits:
     """The largest step the scheduler may hand a runner: what a GPU rank profiles its
     activation memory with before sizing its KV cache."""
@@ -191,6 +228,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def step_limits(self, max_model_len: int) -> StepLimits:
         s = self.scheduler
@@ -215,6 +253,7 @@ _AREAS: dict[str, type] = {
     "parallel": ParallelConfig,
     "speculative": SpeculativeConfig,
     "compilation": CompilationConfig,
+    "structured": StructuredOutputsConfig,
 }
 
 

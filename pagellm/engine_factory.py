@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pagellm.config import EngineConfig
+from pagellm.config import EngineConfig, StructuredSettings, structured_settings
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.models.arch import ModelArch
 from pagellm.runner.capture_settings import max_capture_size
@@ -12,11 +12,13 @@ from pagellm.runner.loader import ModelFiles, open_model, resolve_dtype, resolve
 from pagellm.runner.model_runner import ModelRunner
 from pagellm.runner.tokenizer import Tokenizer
 from pagellm.spec.settings import SpecSettings, spec_settings
+from pagellm.structured.grammar import GrammarCompiler, StructuredOutputManager
 
 
 def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
     check_kv_cache_settings(config)
     spec = spec_settings(config.speculative)  # a bad --speculative-config fails before loading
+    structured = structured_settings(config.structured)  # and --structured-outputs-config
     max_capture_size(config.compilation, config.scheduler.max_num_seqs)  # and --compilation-config
     source = resolve_source(config.model.model)
     files = open_model(source, config.model.quantization)
@@ -53,8 +55,21 @@ def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
         max_len,
         arch.vocab_size,
         attention_crossover=arch.attention_crossover(),
+        structured=structured_output_manager(structured, tokenizer, arch.vocab_size, spec),
     )
     return engine, tokenizer
+
+
+def structured_output_manager(
+    settings: StructuredSettings, tokenizer: Tokenizer, vocab_size: int, spec: SpecSettings | None
+) -> StructuredOutputManager:
+    """xgrammar over the model's tokenizer; its stop token is the model's end of sequence."""
+    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    compiler = GrammarCompiler(
+        tokenizer.hf, vocab_size, stop, disable_any_whitespace=settings.disable_any_whitespace
+    )
+    rollback = max(1, spec.num_speculative_tokens) if spec is not None else 1
+    return StructuredOutputManager(compiler, max_rollback=rollback)
 
 
 def open_draft(spec: SpecSettings, arch: ModelArch, config: EngineConfig) -> ModelFiles | None:

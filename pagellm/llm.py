@@ -31,6 +31,7 @@ class LLM:
         """Outputs in the order of ``prompts``; one params for all, or one per prompt."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompt_list))
+        self._compile_grammars(params_list)
         ids = []
         for i, (prompt, p) in enumerate(zip(prompt_list, params_list, strict=True)):
             rid = str(self._counter)
@@ -49,6 +50,17 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.chat_token_ids(conv) for conv in conversations]
         return self.generate(prompts, params, use_tqdm)
+
+    def _compile_grammars(self, params_list: list[SamplingParams]) -> None:
+        """Compile every structured-output constraint first (each once): one that does not
+        compile raises StructuredOutputError before any request is queued."""
+        structured = self.engine.structured
+        constraints = {p.structured_outputs.key: p.structured_outputs for p in params_list
+                       if p.structured_outputs is not None}  # fmt: skip
+        if constraints and structured is None:
+            raise ValueError("structured outputs are not available on this engine")
+        for constraint in constraints.values():
+            structured.compiler.compile_now(constraint)
 
     def get_stats(self) -> EngineStats:
         return self.engine.stats

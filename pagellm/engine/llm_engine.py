@@ -27,10 +27,11 @@ from pagellm.engine.outputs import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from pagellm.engine.request import FinishReason, Request
+from pagellm.engine.request import FinishReason, Request, RequestStatus
 from pagellm.engine.sampling_params import SamplingParams
 from pagellm.engine.scheduler import Scheduler
 from pagellm.spec.settings import spec_settings
+from pagellm.structured.params import StructuredOutputError
 
 _SEED_MASK = (1 << 64) - 1
 """Per-sequence seeds (a request's seed + its copy's index) wrap to 64 bits, what torch takes."""
@@ -43,6 +44,21 @@ class Executor(Protocol):
     num_blocks: int
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput: ...
+
+
+class StructuredOutputs(Protocol):
+    """Grammar state per sequence (``pagellm.structured.grammar.StructuredOutputManager``)."""
+
+    def start(self, seq_id: str, params: object) -> None: ...
+    def has(self, seq_id: str) -> bool: ...
+    def error(self, seq_id: str) -> str | None: ...
+    def ready(self, seq_id: str) -> bool: ...
+    def wait_any(self, seq_ids: list[str], timeout: float) -> None: ...
+    def forget(self, seq_id: str) -> None: ...
+    def allowed_proposal(self, seq_id: str, proposal: list[int]) -> int: ...
+    def bitmask(self, seq_id: str, proposal: list[int]) -> object: ...
+    def accept(self, seq_id: str, tokens: list[int]) -> bool: ...
+    def is_terminated(self, seq_id: str) -> bool: ...
 
 
 class TokenizerLike(Protocol):
@@ -84,7 +100,10 @@ class LLMEngine:
         vocab_size: int,
         clock: Callable[[], float] = time.monotonic,
         attention_crossover: float | None = None,
+        structured: StructuredOutputs | None = None,
     ) -> None:
+        """``structured``: grammar state for requests with ``structured_outputs`` (without
+        it such requests are refused)."""
         self.config = config
         self.executor = executor
         self.tokenizer = tokenizer
@@ -112,8 +131,13 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config.scheduler, self.kv_manager, clock, attention_crossover, self.spec
         )
+        self.structured = structured
+        if structured is not None:
+            self.scheduler.allowed_proposal = self._allowed_proposal
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, _Group] = {}
+        self._compiling: dict[str, _Group] = {}
+        """Requests whose grammar is still compiling: they join the scheduler once it is."""
         self._rng = random.Random(config.model.seed)
 
     # ----- requests ---------------------------------------------------------------------
@@ -169,11 +193,105 @@ class LLMEngine:
                 self.tokenizer.decode, ids, params.skip_special_tokens, params.stop
             )
             group.seqs.append(_Sequence(req, detok, [] if params.logprobs is not None else None))
+        if params.structured_outputs is not None:
+            self._start_grammars(group, params.structured_outputs)
         self._groups[request_id] = group
         for seq in group.seqs:
             self._seq_to_group[seq.request.request_id] = group
-            self.scheduler.add_request(seq.request)
+        if params.structured_outputs is None or self._grammars_ready(group):
+            self._schedule_group(group)
+        else:
+            self._compiling[request_id] = group
         self.scheduler.stats.prompt_tokens += len(ids)
+        if params.structured_outputs is not None:
+            kinds = self.scheduler.stats.structured_output_requests
+            kind = params.structured_outputs.kind
+            kinds[kind] = kinds.get(kind, 0) + 1
+
+    def _schedule_group(self, group: _Group) -> None:
+        for seq in group.seqs:
+            self.scheduler.add_request(seq.request)
+
+    # ----- structured outputs -----------------------------------------------------------
+
+    def _start_grammars(self, group: _Group, constraint: object) -> None:
+        """Start compiling (a cached grammar is ready at once); one that is known not to
+        compile rejects the request here."""
+        if self.structured is None:
+            raise RequestRejected(
+                "structured outputs are not available on this engine", param="structured_outputs"
+            )
+        seq_ids = [s.request.request_id for s in group.seqs]
+        for seq_id in seq_ids:
+            self.structured.start(seq_id, constraint)
+        why = self.structured.error(seq_ids[0])
+        if why is not None:
+            for seq_id in seq_ids:
+                self.structured.forget(seq_id)
+            raise StructuredOutputError(why)
+
+    def _grammars_ready(self, group: _Group) -> bool:
+        assert self.structured is not None
+        return all(self.structured.ready(s.request.request_id) for s in group.seqs)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammars finished compiling join the scheduler; those whose grammar
+        failed end with the compiler's error. With nothing else to run, wait a little for a
+        compilation instead of spinning."""
+        if not self._compiling:
+            return []
+        assert self.structured is not None
+        if not self.scheduler.has_unfinished():
+            seq_ids = [s.request.request_id for g in self._compiling.values() for s in g.seqs]
+            self.structured.wait_any(seq_ids, timeout=0.05)
+        outputs = []
+        for request_id, group in list(self._compiling.items()):
+            why = self.structured.error(group.seqs[0].request.request_id)
+            if why is not None:
+                del self._compiling[request_id]
+                outputs.append(self._fail(request_id, why))
+            elif self._grammars_ready(group):
+                del self._compiling[request_id]
+                self._schedule_group(group)
+        return outputs
+
+    def _allowed_proposal(self, seq_id: str, proposal: list[int] | None) -> int | None:
+        """How many proposed tokens a constrained sequence may verify (None: unconstrained;
+        a draft model's proposals, not known yet, get 0)."""
+        if self.structured is None or not self.structured.has(seq_id):
+            return None
+        return self.structured.allowed_proposal(seq_id, proposal) if proposal else 0
+
+    def _attach_bitmasks(self, sched: SchedulerOutput) -> None:
+        structured = self.structured
+        if structured is None:
+            return
+        start, filled = self.clock(), 0
+        for item in sched.scheduled:
+            if item.sample and structured.has(item.request_id):
+                item.token_bitmask = structured.bitmask(item.request_id, item.spec_token_ids)
+                filled += 1
+        if filled:
+            self.stats.structured_mask_seconds += self.clock() - start
+            self.stats.structured_mask_steps += 1
+
+    def _advance_grammars(self, touched: list[tuple[Request, int]], failed: dict[str, str]):
+        """Feed each constrained sequence its new tokens; one the grammar rejects fails its
+        request, one whose grammar is complete stops."""
+        structured = self.structured
+        if structured is None:
+            return
+        for req, num_new in touched:
+            seq_id = req.request_id
+            if not structured.has(seq_id):
+                continue
+            new = req.output_token_ids[len(req.output_token_ids) - num_new :]
+            if not structured.accept(seq_id, new):
+                group = self._seq_to_group.get(seq_id)
+                if group is not None:
+                    failed.setdefault(group.request_id, f"the grammar rejected a token of {new}")
+            elif structured.is_terminated(seq_id) and not req.is_finished:
+                self.scheduler.finish_request(seq_id, FinishReason.STOP)
 
     def check_params(self, params: SamplingParams) -> None:
         """What a request's parameters must meet for this model (its vocabulary); raises
@@ -230,10 +348,19 @@ class LLMEngine:
         group = self._groups.pop(request_id, None)
         if group is None:
             return None
+        self._compiling.pop(request_id, None)
         for seq in group.seqs:
             self._seq_to_group.pop(seq.request.request_id, None)
             self.scheduler.finish_request(seq.request.request_id, reason)
+            if seq.request.finish_reason is None:  # never reached the scheduler
+                seq.request.finish_reason = reason
+                seq.request.status = RequestStatus.FINISHED
+            self._forget_grammar(seq.request.request_id)
         return group
+
+    def _forget_grammar(self, seq_id: str) -> None:
+        if self.structured is not None:
+            self.structured.forget(seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -247,12 +374,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch step; returns an output for every request that advanced."""
         start = self.clock()
+        admitted = self._admit_compiled()
         sched = self.scheduler.schedule()
+        self._attach_bitmasks(sched)
         before_execute = self.clock()
         result = self.executor.execute(sched)
         self.stats.execute_seconds += self.clock() - before_execute
         failed = self._groups_of(result.failed)
         touched = self.scheduler.update(sched, result)
+        self._advance_grammars(touched, failed)
         groups: dict[str, _Group] = {}
         for req, num_new in touched:
             group = self._seq_to_group.get(req.request_id)
@@ -268,6 +398,7 @@ class LLMEngine:
             self._finish_or_snapshot(g) for g in groups.values() if g.request_id not in failed
         ]
         outputs += [self._fail(request_id, why) for request_id, why in failed.items()]
+        outputs += admitted
         self.stats.busy_seconds += self.clock() - start
         return outputs
 
@@ -314,6 +445,7 @@ class LLMEngine:
             self._groups.pop(group.request_id, None)
             for seq in group.seqs:
                 self._seq_to_group.pop(seq.request.request_id, None)
+                self._forget_grammar(seq.request.request_id)
         return make_output(group, finished)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagellm.engine.sampling_params import SamplingParams
 
@@ -28,6 +29,9 @@ class ScheduledRequest:
     num_draft_slots: int = 0
     """Draft-model speculation: how many tokens the runner's draft model may propose after
     ``token_ids`` (their KV slots are allocated); it appends them before the target's forward."""
+    token_bitmask: Any = None
+    """Structured outputs: the allowed tokens of each sampling row (int32 bitmask rows, one per
+    proposal plus one; row j as if the first j proposals were accepted), None if unconstrained."""
 
     @property
     def num_tokens(self) -> int:
@@ -150,3 +154,9 @@ class EngineStats:
     """Of those, tokens the target accepted."""
     spec_accepted_per_pos: list[int] = field(default_factory=list)
     """Accepted tokens by position in the proposal (index 0: the first proposed token)."""
+    structured_output_requests: dict[str, int] = field(default_factory=dict)
+    """Requests with structured outputs by kind: json, regex, choice, grammar, json_object."""
+    structured_mask_seconds: float = 0.0
+    """Time spent filling grammar token bitmasks before steps."""
+    structured_mask_steps: int = 0
+    """Steps that filled at least one grammar bitmask."""

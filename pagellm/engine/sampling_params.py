@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagellm.structured.params import StructuredOutputsParams
+
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 """Seeds are 64-bit signed integers, as vLLM takes them."""
 MAX_N = 128
@@ -48,6 +50,8 @@ class SamplingParams:
     """Token id -> value added to its logit before sampling (OpenAI's ``logit_bias``)."""
     allowed_token_ids: list[int] | None = None
     """When given, only these tokens may be sampled (vLLM's extension)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (vLLM's field)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +84,12 @@ class SamplingParams:
         )
         if self.logprobs is not None:
             _check_int(self.logprobs, "logprobs", 0, MAX_LOGPROBS)
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "must be a StructuredOutputsParams",
+        )
         self._validate_stops()
         self._validate_token_choice()
 
@@ -145,8 +155,12 @@ class SamplingParams:
 
     @property
     def shapes_logits(self) -> bool:
-        """Whether the logits are changed before choosing (bias, allowed tokens)."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None
+        """Whether the logits are changed before choosing (bias, allowed tokens, a grammar)."""
+        return (
+            bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or self.structured_outputs is not None
+        )
 
 
 class ParamError(ValueError):

@@ -47,6 +47,9 @@ class Scheduler:
             if spec is not None and spec.method == "ngram"
             else None
         )
+        self.allowed_proposal: Callable[[str, list[int] | None], int | None] | None = None
+        """Structured outputs: how many of a request's proposed tokens (None: a draft model's,
+        not known yet) its grammar lets it verify; None for an unconstrained request."""
         self.chunking = ChunkPolicy.from_config(config, attention_crossover)
         self.kv = kv_manager
         self.clock = clock
@@ -206,6 +209,10 @@ class Scheduler:
         if self.proposer is not None:
             proposal = self.proposer.propose(req.request_id, req.all_token_ids, k)
             k = len(proposal)
+        if self.allowed_proposal is not None:
+            allowed = self.allowed_proposal(req.request_id, proposal or None)
+            if allowed is not None:
+                proposal, k = proposal[:allowed], min(k, allowed)
         if k == 0:
             return [], 0
         held = len(self.kv.get_block_ids(req.request_id))

@@ -6,7 +6,9 @@
 // step computes the values the eager one does up to float32 summation order.
 // T is the activation type: float or bf16 (uint16_t bits). Built with -ffp-contract=off: a
 // fused multiply-add would skip the rounding of a product that eager code rounds.
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 
 #include "cpu_common.h"
@@ -253,6 +255,21 @@ void argmax_rows(const void* x, int rows, int n, int64_t stride, int64_t* out, i
   for (int r = 0; r < rows; ++r) out[r] = argmax_row<T>(xs + r * stride, n);
 }
 
+// Grammar bitmask: token t is allowed when bit t % 32 of word t / 32 is set (xgrammar's
+// packing); every other logit becomes -inf, and tokens past the words too. Whole words of
+// zeros or ones (most of a JSON grammar's mask) take one branch each.
+void apply_bitmask_row(float* x, int n, const uint32_t* mask, int words) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int w = 0; w < words && w * 32 < n; ++w) {
+    const uint32_t bits = mask[w];
+    const int base = w * 32, end = std::min(base + 32, n);
+    if (bits == 0xffffffffu) continue;
+    for (int t = base; t < end; ++t)
+      if (!((bits >> (t - base)) & 1u)) x[t] = ninf;
+  }
+  for (int t = words * 32; t < n; ++t) x[t] = ninf;
+}
+
 }  // namespace
 
 // dtype_code: 0 = float32, 1 = bfloat16. Each returns 0, or 1 for an unknown dtype code.
@@ -294,5 +311,12 @@ extern "C" int decode_argmax_rows(int dtype_code, const void* x, int rows, int n
   if (dtype_code == 0) argmax_rows<float>(x, rows, n, stride, out, threads);
   else if (dtype_code == 1) argmax_rows<uint16_t>(x, rows, n, stride, out, threads);
   else return 1;
+  return 0;
+}
+
+// logits: float32 [n]; mask: int32 [words]. Returns 0, or 1 for bad sizes.
+extern "C" int decode_apply_bitmask(float* logits, int n, const int32_t* mask, int words) {
+  if (n < 1 || words < 0) return 1;
+  apply_bitmask_row(logits, n, reinterpret_cast<const uint32_t*>(mask), words);
   return 0;
 }

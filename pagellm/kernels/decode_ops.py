@@ -1,5 +1,6 @@
 """Python face of the fused decode-step glue (decode_ops.cpp): residual add + RMSNorm, rotary +
-K/V cache write, SiLU-and-multiply; and the greedy argmax over logits rows. The ctypes functions are exposed as they are, so that a
+K/V cache write, SiLU-and-multiply; the greedy argmax over logits rows and a grammar's token
+bitmask applied to a logits row. The ctypes functions are exposed as they are, so that a
 captured step (``pagellm.runner.captured``) binds their arguments once and calls them bare."""
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class DecodeOps:
         self._argmax = lib.decode_argmax_rows
         self._argmax.restype = i
         self._argmax.argtypes = [i, ptr, i, i, i64, ptr, i]
+        self._apply_bitmask = lib.decode_apply_bitmask
+        self._apply_bitmask.restype = i
+        self._apply_bitmask.argtypes = [ptr, i, ptr, i]
 
     def argmax(self, logits: torch.Tensor) -> list[int]:
         """``logits.argmax(dim=-1).tolist()`` of CPU rows [rows, vocab] (float32 or bf16, last
@@ -41,6 +45,18 @@ class DecodeOps:
         if rc != 0:
             raise RuntimeError(f"decode_argmax_rows failed with code {rc}")
         return out.tolist()
+
+    def apply_bitmask(self, row: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """``pagellm.sampling.sampler.apply_token_bitmask`` on a float32 CPU row, in C++."""
+        if row.dtype != torch.float32 or not row.is_contiguous() or not row.is_cpu:
+            from pagellm.sampling.sampler import apply_token_bitmask
+
+            apply_token_bitmask(row, bitmask)
+            return
+        mask = bitmask.contiguous()
+        rc = self._apply_bitmask(row.data_ptr(), row.shape[0], mask.data_ptr(), mask.shape[0])
+        if rc != 0:
+            raise RuntimeError(f"decode_apply_bitmask failed with code {rc}")
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:

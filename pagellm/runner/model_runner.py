@@ -224,7 +224,10 @@ class ModelRunner:
             )  # fmt: skip
         self.captured = self._captured_decoder(capture_max_size)
         ops = load_decode_ops() if device.type == "cpu" else None
-        self.sampler = Sampler(argmax=ops.argmax if ops is not None else None)
+        self.sampler = Sampler(
+            argmax=ops.argmax if ops is not None else None,
+            apply_bitmask=ops.apply_bitmask if ops is not None else None,
+        )
         self.microbatches = microbatches if layout.pp_size > 1 else 1
         """Micro-batches per step under pipeline parallelism (one stage per process works on
         one while the next stage works on the one before)."""

@@ -1,5 +1,5 @@
-"""Sampling: penalties, logit bias, allowed tokens, min_tokens, greedy / temperature / top-k /
-top-p / min-p, logprobs.
+"""Sampling: grammar bitmasks, penalties, logit bias, allowed tokens, min_tokens, greedy /
+temperature / top-k / top-p / min-p, logprobs.
 
 Each request owns a ``torch.Generator`` seeded from its seed, and random numbers are drawn per
 request, so a seeded request gets the same tokens whatever else is in the batch.
@@ -45,10 +45,15 @@ class StepSamples:
 
 
 class Sampler:
-    def __init__(self, argmax: Callable[[torch.Tensor], list[int]] | None = None) -> None:
+    def __init__(
+        self,
+        argmax: Callable[[torch.Tensor], list[int]] | None = None,
+        apply_bitmask: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> None:
         """``argmax``: ``logits.argmax(dim=-1).tolist()`` done faster (the CPU decode ops'
-        kernel); torch's otherwise."""
+        kernel); torch's otherwise. ``apply_bitmask``: ``apply_token_bitmask`` done faster."""
         self._argmax = argmax
+        self._apply_bitmask = apply_bitmask or apply_token_bitmask
         self._generators: dict[str, torch.Generator] = {}
         self._shaping: dict[str, _Shaping] = {}
         """Request id -> its logit bias and allowed-token tensors, built once per request."""
@@ -127,6 +132,8 @@ class Sampler:
         shaped = raw.clone()
         shaping = self._shaping_of(req)
         for j, view in enumerate(views):
+            if req.token_bitmask is not None:
+                self._apply_bitmask(shaped[j], req.token_bitmask[j])
             _shape_logits(shaped[j], view, shaping)
         if req.params.greedy:
             tokens = accept_greedy(proposal, shaped.argmax(dim=-1).tolist())
@@ -148,18 +155,29 @@ class Sampler:
         tokens on every device).
         """
         if all(_is_simple(r) for r in reqs):
-            if self._argmax is not None:
-                return SampleResult(self._argmax(logits), [None] * len(reqs))
-            return SampleResult(logits.float().argmax(dim=-1).tolist(), [None] * len(reqs))
+            return SampleResult(self._greedy(logits), [None] * len(reqs))
+        if all(_is_masked_greedy(r) for r in reqs):
+            masked = logits.to(torch.float32, copy=True)
+            for i, req in enumerate(reqs):
+                if req.token_bitmask is not None:
+                    self._apply_bitmask(masked[i], req.token_bitmask[0])
+            return SampleResult(self._greedy(masked), [None] * len(reqs))
         raw = logits.float().cpu()
         try:
             return self._sample_rows(raw, reqs)
         except Exception:  # noqa: BLE001 - find the row at fault; the others still sample
             return self._sample_each(raw, reqs)
 
+    def _greedy(self, logits: torch.Tensor) -> list[int]:
+        if self._argmax is not None:
+            return self._argmax(logits)
+        return logits.float().argmax(dim=-1).tolist()
+
     def _sample_rows(self, raw: torch.Tensor, reqs: list[ScheduledRequest]) -> SampleResult:
         logits = raw.clone()
         for i, req in enumerate(reqs):
+            if req.token_bitmask is not None:
+                self._apply_bitmask(logits[i], req.token_bitmask[0])
             _shape_logits(logits[i], req, self._shaping_of(req))
         tokens = self._choose(logits, reqs)
         return SampleResult(tokens, _logprobs(raw, tokens, reqs))
@@ -218,6 +236,19 @@ def _is_simple(req: ScheduledRequest) -> bool:
     )
 
 
+def _is_masked_greedy(req: ScheduledRequest) -> bool:
+    """Greedy on the logits with only a grammar's bitmask applied."""
+    p = req.params
+    return (
+        p.greedy
+        and not p.needs_penalties
+        and not p.logit_bias
+        and p.allowed_token_ids is None
+        and p.logprobs is None
+        and len(req.output_token_ids) >= p.min_tokens
+    )
+
+
 def sampling_probs(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
     """Sampling distributions of shaped rows: temperature, top-k / top-p, then min-p."""
     temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
@@ -245,11 +276,25 @@ def _shaping(req: ScheduledRequest) -> _Shaping:
 
 
 def _shape_logits(row: torch.Tensor, req: ScheduledRequest, shaping: _Shaping | None) -> None:
-    """Everything that changes one request's logits before choosing, in vLLM's order."""
+    """Everything that changes one request's logits before choosing, in vLLM's order (a
+    grammar's bitmask comes before, as vLLM applies it to the logits before its sampler)."""
     _apply_penalties(row, req)
     if shaping is not None:
         _apply_bias_and_allowed(row, shaping)
     _apply_min_tokens(row, req)
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_bitmask(row: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """-inf on every token whose bit is clear (bit ``t % 32`` of int32 word ``t // 32``, as
+    xgrammar packs it); tokens past the bitmask's words are disallowed."""
+    bits = (bitmask.to(row.device).unsqueeze(-1) >> _BIT_SHIFTS.to(row.device)) & 1
+    allowed = bits.view(-1)[: row.shape[0]].bool()
+    if allowed.shape[0] < row.shape[0]:
+        allowed = torch.cat([allowed, allowed.new_zeros(row.shape[0] - allowed.shape[0])])
+    row.masked_fill_(~allowed, float("-inf"))
 
 
 def _apply_bias_and_allowed(row: torch.Tensor, shaping: _Shaping) -> None:

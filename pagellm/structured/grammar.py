@@ -1,0 +1,225 @@
+"""Grammars for structured outputs: compiled by xgrammar off the step loop, matched per sequence.
+
+``GrammarCompiler`` compiles a request's constraint on a small thread pool (xgrammar releases the
+GIL while it compiles) and caches the result by the constraint's key, so one schema compiles once
+however many requests use it; a constraint that does not compile fails with the compiler's
+message. ``StructuredOutputManager`` is what the engine drives: a matcher per sequence, advanced
+with each accepted token; the token bitmask of a step's sampling rows (one row per speculative
+proposal plus one, computed by advancing through the proposals and rolling back); how many of a
+proposal the grammar allows.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagellm.structured.params import StructuredOutputError, StructuredOutputsParams
+
+_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
+
+
+def _clean(exc: BaseException) -> str:
+    """xgrammar's message without its time stamp and source line."""
+    return _LOG_PREFIX.sub("", str(exc).strip()).strip()
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer; ``compile`` never blocks the caller."""
+
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        max_workers: int = 2,
+        cache_size: int = 512,
+        on_compiled: Callable[[float], None] | None = None,
+        disable_any_whitespace: bool = False,
+    ) -> None:
+        """``on_compiled``: called with the seconds of every compilation that ran (cache hits
+        are not compilations); ``disable_any_whitespace``: for every request's JSON."""
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(
+            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+        )
+        self._xgr = xgr
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="pagellm-grammar")
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self._cache_size = cache_size
+        self.on_compiled = on_compiled
+        self.vocab_size = vocab_size
+        self.disable_any_whitespace = disable_any_whitespace
+
+    def compile(self, params: StructuredOutputsParams) -> Future:
+        """A future of the compiled grammar (done at once on a cache hit); its exception is a
+        StructuredOutputError naming the problem."""
+        with self._lock:
+            future = self._cache.get(params.key)
+            if future is not None:
+                self._cache.move_to_end(params.key)
+                return future
+            future = self._pool.submit(self._build, params)
+            self._cache[params.key] = future
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+            return future
+
+    def compile_now(self, params: StructuredOutputsParams) -> Any:
+        """Compile (or take from the cache) and wait; raises StructuredOutputError."""
+        return self.compile(params).result()
+
+    def _build(self, params: StructuredOutputsParams) -> Any:
+        start = time.perf_counter()
+        try:
+            compiled = self._build_kind(params)
+        except StructuredOutputError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - xgrammar's errors are RuntimeErrors
+            raise StructuredOutputError(
+                f"the {params.kind} constraint cannot be compiled: {_clean(exc)}"
+            ) from None
+        if self.on_compiled is not None:
+            self.on_compiled(time.perf_counter() - start)
+        return compiled
+
+    def _build_kind(self, params: StructuredOutputsParams) -> Any:
+        c, kind = self._compiler, params.kind
+        any_ws = not (params.disable_any_whitespace or self.disable_any_whitespace)
+        if kind == "json":
+            text = params.spec_text
+            try:
+                schema = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise StructuredOutputError(f"the JSON schema is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict | bool):
+                raise StructuredOutputError("the JSON schema must be an object")
+            return c.compile_grammar(self._json_schema_grammar(text, any_ws))
+        if kind == "json_object":  # an object (xgrammar's built-in JSON also takes arrays)
+            return c.compile_grammar(self._json_schema_grammar('{"type": "object"}', any_ws))
+        if kind == "regex":
+            return c.compile_regex(params.regex)
+        if kind == "choice":
+            return c.compile_grammar(choice_grammar(params.choice or []))
+        return c.compile_grammar(params.grammar)
+
+    def _json_schema_grammar(self, schema: str, any_whitespace: bool) -> Any:
+        """xgrammar's grammar of a schema, with JSON's own string characters: its rule for
+        length-bounded strings excludes only the quote, backslash, CR and LF, so it lets other
+        control characters through, which JSON forbids unescaped (parsers reject them)."""
+        grammar = self._xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+        text = str(grammar)
+        fixed = text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+        return grammar if fixed == text else self._xgr.Grammar.from_ebnf(fixed)
+
+    def matcher(self, compiled: Any) -> Any:
+        return self._xgr.GrammarMatcher(compiled)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF for exactly one of ``choices`` (JSON string escapes are EBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+@dataclass(slots=True)
+class _Entry:
+    future: Future
+    matcher: Any = None
+
+
+class StructuredOutputManager:
+    """Per-sequence grammar state for the engine (which calls it from its one thread)."""
+
+    def __init__(self, compiler: GrammarCompiler, max_rollback: int = 16) -> None:
+        self.compiler = compiler
+        self.max_rollback = max_rollback
+        """Proposals longer than this are cut (bounds the matcher's work per step)."""
+        self._entries: dict[str, _Entry] = {}
+        self._words = (compiler.vocab_size + 31) // 32
+
+    def start(self, seq_id: str, params: StructuredOutputsParams) -> None:
+        self._entries[seq_id] = _Entry(self.compiler.compile(params))
+
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._entries
+
+    def error(self, seq_id: str) -> str | None:
+        """Why the sequence's grammar failed to compile (None while pending or once ready)."""
+        future = self._entries[seq_id].future
+        if not future.done() or future.exception() is None:
+            return None
+        return str(future.exception())
+
+    def ready(self, seq_id: str) -> bool:
+        """Compiled, with its matcher made; False while compiling or after a failure."""
+        entry = self._entries[seq_id]
+        if entry.matcher is None:
+            if not entry.future.done() or entry.future.exception() is not None:
+                return False
+            entry.matcher = self.compiler.matcher(entry.future.result())
+        return True
+
+    def wait_any(self, seq_ids: list[str], timeout: float) -> None:
+        """Block until one of these sequences' grammars is compiled (or ``timeout``)."""
+        futures = [self._entries[s].future for s in seq_ids if s in self._entries]
+        if futures:
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def forget(self, seq_id: str) -> None:
+        self._entries.pop(seq_id, None)
+
+    def allowed_proposal(self, seq_id: str, proposal: list[int]) -> int:
+        """How many leading tokens of ``proposal`` the grammar accepts (the matcher is left as
+        it was)."""
+        matcher = self._entries[seq_id].matcher
+        n = 0
+        for token in proposal[: self.max_rollback]:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return n
+
+    def bitmask(self, seq_id: str, proposal: list[int]) -> torch.Tensor:
+        """Allowed tokens of the next ``1 + len(proposal)`` rows, as int32 bitmask rows (bit
+        ``t % 32`` of word ``t // 32`` set when token t is allowed): row j as if the first j
+        proposed tokens were accepted. The proposal must be one ``allowed_proposal`` passed."""
+        matcher = self._entries[seq_id].matcher
+        rows = torch.empty((1 + len(proposal), self._words), dtype=torch.int32)
+        accepted = 0
+        for j in range(len(proposal) + 1):
+            matcher.fill_next_token_bitmask(rows, j)
+            if j < len(proposal):
+                ok = matcher.accept_token(proposal[j])
+                assert ok, "the scheduler kept only proposals the grammar accepts"
+                accepted += 1
+        if accepted:
+            matcher.rollback(accepted)
+        return rows
+
+    def accept(self, seq_id: str, tokens: list[int]) -> bool:
+        """Advance with the sequence's new tokens; False if the grammar rejects one."""
+        matcher = self._entries[seq_id].matcher
+        return all(matcher.accept_token(t) for t in tokens)
+
+    def is_terminated(self, seq_id: str) -> bool:
+        """The grammar is complete and its stop token accepted: nothing more may follow."""
+        return self._entries[seq_id].matcher.is_terminated()

@@ -1,0 +1,84 @@
+"""What a request constrains its output to (vLLM's ``StructuredOutputsParams``), validated.
+
+Plain Python: the engine imports it. Exactly one constraint per request; sizes are bounded here,
+whether the constraint compiles is the grammar compiler's call (``pagellm.structured.grammar``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+MAX_SPEC_CHARS = 64 * 1024
+"""A schema, regex or grammar longer than this (as text) is refused before compiling."""
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 1024
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class StructuredOutputError(ValueError):
+    """A constraint that is malformed or cannot be compiled; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str = "structured_outputs") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """One of: ``json`` (a JSON schema, as text or a mapping), ``regex``, ``choice`` (one of
+    these strings), ``grammar`` (EBNF, xgrammar's dialect of GBNF) or ``json_object`` (any JSON
+    object). ``disable_any_whitespace``: JSON without free whitespace between tokens."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise StructuredOutputError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar, "
+                f"json_object (got {', '.join(given) or 'none'})"
+            )
+        if self.choice is not None:
+            _check_choices(self.choice)
+        if len(self.spec_text) > MAX_SPEC_CHARS:
+            raise StructuredOutputError(
+                f"the {self.kind} constraint is longer than {MAX_SPEC_CHARS} characters"
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec_text(self) -> str:
+        """The constraint as text (a schema mapping as JSON, choices as a JSON list)."""
+        kind = self.kind
+        if kind == "json":
+            return self.json if isinstance(self.json, str) else json.dumps(self.json)
+        if kind == "choice":
+            return json.dumps(self.choice)
+        if kind == "json_object":
+            return ""
+        return getattr(self, kind)
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What decides the compiled grammar: equal keys compile once."""
+        return (self.kind, self.spec_text, self.disable_any_whitespace)
+
+
+def _check_choices(choice: Any) -> None:
+    ok = isinstance(choice, list) and 0 < len(choice) <= MAX_CHOICES
+    if not ok or not all(isinstance(c, str) and 0 < len(c) <= MAX_CHOICE_CHARS for c in choice):
+        raise StructuredOutputError(
+            f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings of at most "
+            f"{MAX_CHOICE_CHARS} characters"
+        )

@@ -1,0 +1,236 @@
+"""Structured outputs in the engine (tiny random Llama, xgrammar): sampled outputs always match
+their schema, regex or choice; unconstrained requests beside them are unchanged; preemption,
+swap and n-gram speculation keep the grammar state consistent; a grammar that does not compile
+fails its request alone; a slow compilation holds back only its own request.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+from llm_helpers import MIXED_PROMPTS, greedy, tiny_llm
+from schema_gen import schemas
+
+from pagellm import SamplingParams
+from pagellm.structured.params import StructuredOutputError, StructuredOutputsParams
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return tiny_llm(tiny_models, kv_cache_memory=0.05)
+
+
+def constrained(seed: int, max_tokens: int = 300, temperature: float = 1.0, **constraint):
+    return SamplingParams(
+        temperature=temperature,
+        seed=seed,
+        max_tokens=max_tokens,
+        structured_outputs=StructuredOutputsParams(**constraint),
+    )
+
+
+@pytest.mark.parametrize("no_whitespace, least", [(True, 90), (False, 25)])
+def test_sampled_outputs_match_100_json_schemas(llm, no_whitespace, least):
+    """With free whitespace the random model often wanders in it until max_tokens: fewer
+    answers complete, and every one that does must still match."""
+    cases = schemas(100, seed=1)
+    params = [
+        constrained(i, json=s, disable_any_whitespace=no_whitespace) for i, s in enumerate(cases)
+    ]
+    outs = llm.generate(["Answer in JSON:"] * len(cases), params, use_tqdm=False)
+    completed = 0
+    for schema, out in zip(cases, outs, strict=True):
+        comp = out.outputs[0]
+        assert out.error is None
+        if comp.finish_reason == "stop":
+            completed += 1
+            jsonschema.validate(json.loads(comp.text), schema)
+    assert completed >= least, completed
+    stats = llm.get_stats()
+    assert stats.structured_output_requests["json"] >= 100
+    assert stats.structured_mask_steps > 0
+
+
+def test_sampled_outputs_match_regex_and_choice(llm):
+    pattern = r"[A-Z][a-z]{2,5}-[0-9]{3}( ok)?"
+    choices = ["yes", "no", 'say "maybe"', "naïve \\ path"]
+    params = [constrained(i, regex=pattern) for i in range(20)]
+    params += [constrained(i, choice=choices) for i in range(20)]
+    params += [constrained(i, json_object=True, disable_any_whitespace=True) for i in range(10)]
+    outs = llm.generate(["x"] * len(params), params, use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs]
+    reasons = [o.outputs[0].finish_reason for o in outs]
+    assert reasons[:40] == ["stop"] * 40, list(zip(reasons, texts, strict=True))
+    assert all(re.fullmatch(pattern, t) for t in texts[:20]), texts[:20]
+    assert all(t in choices for t in texts[20:40]), texts[20:40]
+    assert len(set(texts[20:40])) > 1  # sampled, not one answer every time
+    objects = [t for t, r in zip(texts[40:], reasons[40:], strict=True) if r == "stop"]
+    assert objects and all(isinstance(json.loads(t), dict) for t in objects)
+
+
+def test_unconstrained_greedy_outputs_unchanged_beside_constrained(llm):
+    plain = greedy([24] * len(MIXED_PROMPTS))
+    alone = llm.generate(MIXED_PROMPTS, plain, use_tqdm=False)
+    cases = schemas(8, seed=2)
+    mixed_params = plain + [constrained(i, json=s) for i, s in enumerate(cases)]
+    mixed = llm.generate(MIXED_PROMPTS + ["{"] * len(cases), mixed_params, use_tqdm=False)
+    for a, b in zip(alone, mixed, strict=False):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_constrained_greedy_outputs_survive_preemption(tiny_models, mode):
+    cases = schemas(12, seed=3)
+    params = [constrained(0, 160, 0.0, json=s, disable_any_whitespace=True) for s in cases]
+    params += [constrained(0, 160, 0.0, regex=r"(ab|cd|ef){1,60}")]
+    prompts = [f"request {i}: " + "pad " * (i % 5) for i in range(len(params))]
+    roomy = tiny_llm(tiny_models, kv_cache_memory=0.05)
+    expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    tight = tiny_llm(
+        tiny_models, num_gpu_blocks_override=24, block_size=8, preemption_mode=mode,
+        num_host_blocks_override=256, max_model_len=192,
+    )  # fmt: skip
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.get_stats().num_preemptions > 0
+    if mode == "swap":
+        assert tight.get_stats().num_preemptions_swap > 0
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_ngram_speculation_keeps_constrained_greedy_outputs(tiny_models):
+    params = [constrained(0, 120, 0.0, regex=r"(ab|abc|cd){1,80}")]
+    params += [constrained(0, 120, 0.0, json={"type": "array", "items": {"enum": [1, 22, 333]}})]
+    prompts = ["ab ab ab ab", "[1, 22, 333, 1, 22, 333"]
+    plain = tiny_llm(tiny_models)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                       "prompt_lookup_max": 3})  # fmt: skip
+    fast = tiny_llm(tiny_models, speculative_config=spec)
+    outs = fast.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = fast.get_stats()
+    assert stats.spec_num_draft_tokens > 0
+
+
+def test_grammar_that_does_not_compile_fails_alone(llm):
+    for bad, match in (({"type": "objectx"}, "objectx"), ("{nope", "not valid JSON")):
+        with pytest.raises(StructuredOutputError, match=match):
+            llm.generate(["x", "y"], [greedy([8])[0], constrained(0, json=bad)], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    # past the front end (the engine compiles asynchronously): that request fails alone
+    engine = llm.engine
+    engine.add_request("bad-regex", "x", constrained(0, regex="[a-"))
+    engine.add_request("fine", "y", greedy([8])[0])
+    finished = {}
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "Unclosed" in finished["bad-regex"].error
+    assert finished["fine"].error is None
+    assert len(finished["fine"].outputs[0].token_ids) == 8
+
+
+def test_constraint_params_are_validated():
+    with pytest.raises(StructuredOutputError, match="exactly one"):
+        StructuredOutputsParams(json={}, regex="a")
+    with pytest.raises(StructuredOutputError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(StructuredOutputError, match="choice"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(StructuredOutputError, match="longer than"):
+        StructuredOutputsParams(regex="a" * 70_000)
+
+
+class _GatedCompiler:
+    """Wraps the engine's compiler: compilations wait for ``gate`` (a slow schema)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+        self._build = inner._build
+        inner._build = self._slow_build
+
+    def _slow_build(self, params):
+        assert self.gate.wait(120), "the test never opened the gate"
+        return self._build(params)
+
+    def restore(self) -> None:
+        self.inner._build = self._build
+
+
+def test_slow_compilation_holds_back_only_its_request(llm):
+    gated = _GatedCompiler(llm.engine.structured.compiler)
+    engine = llm.engine
+    try:
+        slow = {"type": "object", "properties": {"slow": {"type": "integer"}}, "required": ["slow"]}
+        engine.add_request(
+            "slow", "x", constrained(0, 40, 0.0, json=slow, disable_any_whitespace=True)
+        )
+        engine.add_request("aborted", "x", constrained(0, 40, 0.0, json={**slow, "title": "a"}))
+        engine.add_request("plain", "y", greedy([12])[0])
+        engine.abort("aborted")
+        finished = {}
+        for _ in range(200):
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+            if "plain" in finished:
+                break
+        assert "plain" in finished and "slow" not in finished
+        assert "aborted" not in finished
+        gated.gate.set()
+        for _ in range(2000):
+            if not engine.has_unfinished_requests():
+                break
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        assert set(finished) == {"plain", "slow"}
+        assert "slow" in json.loads(finished["slow"].outputs[0].text)
+    finally:
+        gated.gate.set()
+        gated.restore()
+
+
+def test_grammar_end_stops_a_request_that_ignores_eos(llm):
+    params = SamplingParams(
+        temperature=0, max_tokens=50, ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(choice=["done"]),
+    )  # fmt: skip
+    out = llm.generate(["x"], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.text == "done"
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 77])
+def test_bitmask_kernel_matches_torch(vocab):
+    import torch
+
+    from pagellm.kernels.decode_ops import load_decode_ops
+    from pagellm.sampling.sampler import apply_token_bitmask
+
+    ops = load_decode_ops()
+    if ops is None:
+        pytest.skip("no C++ compiler")
+    gen = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    for density in (0.0, 0.01, 0.5, 1.0):
+        bits = torch.rand(words * 32, generator=gen) < density
+        packed = (bits.view(words, 32).long() << torch.arange(32)).sum(dim=1)
+        mask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+        for cut in (words, max(words - 1, 0)):  # a mask shorter than the vocabulary too
+            row = torch.randn(vocab, generator=gen)
+            want, got = row.clone(), row.clone()
+            apply_token_bitmask(want, mask[:cut])
+            ops.apply_bitmask(got, mask[:cut])
+            assert torch.equal(want, got)
+            allowed = bits[: min(cut * 32, vocab)].nonzero().flatten()
+            assert torch.equal(want[allowed], row[allowed])
+            assert (want == float("-inf")).sum() == vocab - len(allowed)
