@@ -16,6 +16,7 @@ import typing
 from typing import Any
 
 from pagellm.config import EngineConfig, flat_fields
+from pagellm.structured.tool_parsers import TOOL_CALL_PARSERS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -173,7 +174,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         max_seqs_per_request=args.max_seqs_per_request,
         metrics_need_key=not args.allow_unauthenticated_metrics,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("pagellm serve: --enable-auto-tool-choice needs --tool-call-parser")
     front = AsyncLLMEngine(engine)
     front.start()
     try:
@@ -338,6 +343,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="abort a request this many seconds after it arrives and answer 504 (default: none)",
     )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": parse the model\'s own tool calls (needs --tool-call-parser)',
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="the model's tool-call format for tool_choice auto",
+    )
     serve.add_argument("--log-level", default="info")
     serve.add_argument(
         "--shutdown-timeout",
@@ -421,7 +437,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that write JSON and print a table")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from pagellm.bench import long_prompt, quantization, reliability, step_profile, throughput
+    from pagellm.bench import (
+        long_prompt,
+        quantization,
+        reliability,
+        step_profile,
+        structured,
+        throughput,
+    )
     from pagellm.bench import serve as bench_serve
 
     throughput.add_parser(bench_sub)
@@ -430,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     long_prompt.add_parser(bench_sub)
     quantization.add_parser(bench_sub)
     step_profile.add_parser(bench_sub)
+    structured.add_parser(bench_sub)
     return parser
 
 

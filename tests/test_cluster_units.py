@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -50,9 +51,25 @@ def test_speculative_config_as_a_mapping_becomes_the_flag():
     assert json.loads(plan["engine_args"]["speculative"]["speculative_config"]) == spec
 
 
+def test_structured_outputs_and_tool_settings_reach_the_replicas():
+    from pagellm.cluster.replica import server_settings
+
+    engine = {"structured_outputs_config": {"disable_any_whitespace": True}}
+    tools = {"enable_auto_tool_choice": True, "tool_call_parser": "hermes"}
+    config = parse_cluster_config({**GOOD, "engine_args": engine, "deployment_config": tools})
+    plan = config.plan()
+    flag = plan["engine_args"]["structured"]["structured_outputs_config"]
+    assert json.loads(flag) == {"disable_any_whitespace": True}
+    settings = server_settings(dataclasses.asdict(config.deployment), "m", 512)
+    assert settings.enable_auto_tool_choice and settings.tool_call_parser == "hermes"
+
+
 @pytest.mark.parametrize(
     ("change", "named"),
     [
+        ({"engine_args": {"structured_outputs_config": {"backend": "outlines"}}}, "backend"),
+        ({"deployment_config": {"enable_auto_tool_choice": True}}, "tool_call_parser"),
+        ({"deployment_config": {"tool_call_parser": "mistral"}}, "tool_call_parser"),
         ({"replicas": 2}, "'replicas'"),
         ({"engine_args": {"max_num_seq": 64}}, "'max_num_seq'"),
         ({"engine_args": {"max_num_seqs": "many"}}, "engine_args.max_num_seqs"),

@@ -39,6 +39,9 @@ _VLLM_ONLY = {
 SERVER_LIMITS = ("max_num_queued_requests", "max_num_queued_tokens", "request_timeout",
                  "max_body_bytes")  # fmt: skip
 """deployment_config fields that are the replicas' server settings of the same names."""
+SERVER_TOOL_SETTINGS = ("enable_auto_tool_choice", "tool_call_parser")
+"""deployment_config fields for tool calling: the replicas' --enable-auto-tool-choice and
+--tool-call-parser."""
 
 
 class ClusterConfigError(ValueError):
@@ -65,6 +68,11 @@ class DeploymentConfig:
     """Each replica's server setting: seconds after which a request is aborted (504)."""
     max_body_bytes: int | None = None
     """Each replica's server setting: largest request body (413); none: the server's default."""
+    enable_auto_tool_choice: bool = False
+    """Each replica parses the model's tool calls for tool_choice "auto" (needs
+    tool_call_parser), as vLLM's --enable-auto-tool-choice."""
+    tool_call_parser: str | None = None
+    """The model's tool-call format: hermes or llama3_json."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +166,8 @@ class ClusterConfig:
             "served_model_name": self.deployment.served_model_name,
             "replica_server": {"host": self.deployment.replica_host,
                                "api_key": "(set)" if self.deployment.api_key else None,
-                               **{name: getattr(self.deployment, name) for name in SERVER_LIMITS}},
+                               **{name: getattr(self.deployment, name)
+                                  for name in SERVER_LIMITS + SERVER_TOOL_SETTINGS}},
             "replicas": {"initial": self.ray.num_replicas, "min": self.min_replicas,
                          "max": self.max_replicas, "max_restarts": self.ray.max_restarts,
                          "controller_max_restarts": self.ray.controller_max_restarts},
@@ -263,7 +272,7 @@ def _engine_args(values: Any, where: str) -> tuple[dict[str, Any], list[str]]:
             continue
         if key not in fields_by_name:
             raise ClusterConfigError(f"{where}: engine_args: unknown key {key!r}")
-        if key in ("speculative_config", "compilation_config") and isinstance(value, dict):
+        if key in _JSON_OBJECT_FLAGS and isinstance(value, dict):
             value = json.dumps(value)  # vLLM's YAML gives the mapping; the flag takes JSON
         _check_type(value, fields_by_name[key], f"{where}: engine_args.{key}")
         for name, known in (("quantization", QUANTIZATION_METHODS),
@@ -276,7 +285,20 @@ def _engine_args(values: Any, where: str) -> tuple[dict[str, Any], list[str]]:
         args[key] = value
     _check_speculative(args, where)
     _check_compilation(args, where)
+    _check_structured(args, where)
     return args, notes
+
+
+_JSON_OBJECT_FLAGS = ("speculative_config", "compilation_config", "structured_outputs_config")
+
+
+def _check_structured(args: dict[str, Any], where: str) -> None:
+    from pagellm.config import StructuredOutputsConfig, structured_settings
+
+    try:
+        structured_settings(StructuredOutputsConfig(args.get("structured_outputs_config")))
+    except ValueError as exc:
+        raise ClusterConfigError(f"{where}: engine_args: {exc}") from exc
 
 
 def _check_compilation(args: dict[str, Any], where: str) -> None:
@@ -341,6 +363,16 @@ def _check_deployment(d: DeploymentConfig, where: str) -> None:
         value = getattr(d, name)
         if value is not None and value <= 0:
             raise ClusterConfigError(f"{where}: deployment_config.{name} must be above 0")
+    from pagellm.structured.tool_parsers import TOOL_CALL_PARSERS
+
+    if d.tool_call_parser is not None and d.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ClusterConfigError(
+            f"{where}: deployment_config.tool_call_parser must be one of {TOOL_CALL_PARSERS}"
+        )
+    if d.enable_auto_tool_choice and d.tool_call_parser is None:
+        raise ClusterConfigError(
+            f"{where}: deployment_config.enable_auto_tool_choice needs tool_call_parser"
+        )
 
 
 def _is_loopback(host: str) -> bool:

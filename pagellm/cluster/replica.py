@@ -78,12 +78,13 @@ class ReplicaServer:
 
 
 def server_settings(deployment: dict[str, Any], model_name: str, max_model_len: int) -> Any:
-    """The replica's ServerSettings: its key and the queue limits and timeouts the deployment
-    config gives (the server's own defaults for those it leaves out)."""
-    from pagellm.cluster.config import SERVER_LIMITS
+    """The replica's ServerSettings: its key, the queue limits and timeouts and the tool-call
+    settings the deployment config gives (the server's own defaults for those it leaves out)."""
+    from pagellm.cluster.config import SERVER_LIMITS, SERVER_TOOL_SETTINGS
     from pagellm.server.app import ServerSettings
 
-    limits = {name: deployment[name] for name in SERVER_LIMITS if deployment.get(name) is not None}
+    names = SERVER_LIMITS + SERVER_TOOL_SETTINGS
+    limits = {name: deployment[name] for name in names if deployment.get(name) is not None}
     return ServerSettings(
         model_name=model_name,
         max_model_len=max_model_len,

@@ -33,8 +33,9 @@ from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError, Request
 from pagellm.engine.errors import ContextLengthExceeded, RequestRejected
 from pagellm.engine.outputs import RequestOutput
 from pagellm.engine.sampling_params import ParamError, SamplingParams
+from pagellm.server.chat_tools import ChoiceCalls, ToolPlan, plan_tools
 from pagellm.server.errors import APIError, error_body, error_response, quoted_name
-from pagellm.server.metrics import RequestLatencies, make_registry
+from pagellm.server.metrics import RequestLatencies, grammar_compile_histogram, make_registry
 from pagellm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,6 +43,8 @@ from pagellm.server.protocol import (
     TokenizeRequest,
     chat_messages,
 )
+from pagellm.structured.params import StructuredOutputError, StructuredOutputsParams
+from pagellm.structured.tools import messages_for_template, template_renders_tools
 
 _RETRY = {"code": "server_busy", "headers": {"Retry-After": "1"}}
 _OPEN_PATHS = ("/health",)
@@ -66,6 +69,10 @@ class ServerSettings:
     """Most sequences one request may ask for (a completions request's prompts x n)."""
     metrics_need_key: bool = True
     """With an API key: /metrics needs it too (False opens it for a scraper)."""
+    enable_auto_tool_choice: bool = False
+    """``tool_choice: auto`` parses the model's tool calls (vLLM's --enable-auto-tool-choice)."""
+    tool_call_parser: str | None = None
+    """The model's tool-call format for ``auto``: hermes or llama3_json."""
 
 
 def build_app(front: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -> FastAPI:
@@ -84,6 +91,9 @@ def build_app(front: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -
         front.engine.stats, settings.model_name, lambda: front.thread_cpu_seconds
     )
     ctx.latencies = RequestLatencies(registry, settings.model_name)
+    structured = getattr(front.engine, "structured", None)
+    if structured is not None:
+        structured.compiler.on_compiled = grammar_compile_histogram(registry, settings.model_name)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -152,6 +162,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ParamError)
     async def _param(_: Request, exc: ParamError) -> JSONResponse:
+        return error_response(APIError(400, str(exc), param=exc.param))
+
+    @app.exception_handler(StructuredOutputError)
+    async def _grammar(_: Request, exc: StructuredOutputError) -> JSONResponse:
         return error_response(APIError(400, str(exc), param=exc.param))
 
     @app.exception_handler(RequestRejected)
@@ -336,13 +350,18 @@ class _Context:
         prepare = self.front.engine.prepare_prompt
         return await asyncio.to_thread(lambda: [prepare(p) for p in prompts])
 
-    async def chat_ids(self, messages) -> list[int]:
+    async def chat_ids(self, messages, tools: list[dict] | None = None) -> list[int]:
         """The chat rendered by the model's template and tokenized, in a worker thread; a
-        template that rejects the messages (``raise_exception``) or is missing is a 400."""
+        template that rejects the messages (``raise_exception``) or is missing is a 400.
+        ``tools`` are shown to the model (``pagellm.structured.tools``)."""
         import jinja2
 
+        turns, extra = chat_messages(messages), {}
+        if tools:
+            renders = template_renders_tools(getattr(self.tokenizer.hf, "chat_template", None))
+            turns, extra = messages_for_template(turns, tools, renders)
         try:
-            return await asyncio.to_thread(self.tokenizer.chat_token_ids, chat_messages(messages))
+            return await asyncio.to_thread(self.tokenizer.chat_token_ids, turns, **extra)
         except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
             raise APIError(400, f"the chat template cannot render the messages: {exc}",
                            param="messages") from exc  # fmt: skip
@@ -359,8 +378,26 @@ class _Context:
         ):
             raise APIError(503, "the server is busy: too many queued prompt tokens", **_RETRY)
 
+    async def _compiled(self, constraint: StructuredOutputsParams | None, param: str) -> None:
+        """Compile the request's grammar off the event loop before queueing it (cached: the
+        engine then finds it ready); one that does not compile is a 400 naming ``param``."""
+        if constraint is None:
+            return
+        structured = getattr(self.front.engine, "structured", None)
+        if structured is None:
+            raise APIError(400, "structured outputs are not available on this server", param=param)
+        try:
+            await asyncio.wrap_future(structured.compiler.compile(constraint))
+        except StructuredOutputError as exc:
+            raise StructuredOutputError(str(exc), param) from None
+
     def _params(
-        self, body, prompt_lens: list[int], max_tokens: int | None, logprobs
+        self,
+        body,
+        prompt_lens: list[int],
+        max_tokens: int | None,
+        logprobs,
+        constraint: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """One validated SamplingParams for all of a request's prompts (built and checked once:
         its lists may be as long as the vocabulary), after every prompt's length check."""
@@ -371,7 +408,7 @@ class _Context:
             if prompt_len + max_tokens > limit:
                 raise ContextLengthExceeded(prompt_len, max_tokens, limit)
         self.front.engine.check_priority(body.priority)
-        params = body.sampling_params(max_tokens, logprobs)
+        params = body.sampling_params(max_tokens, logprobs, constraint)
         self.front.engine.check_params(params)
         return params
 
@@ -383,10 +420,12 @@ class _Context:
             raise APIError(400, "echo is not supported", param="echo")
         prompts = _prompt_list(body.prompt)
         self._check_seqs(len(prompts), body.n)
+        constraint, source = body.output_constraint()
         prepared = await self._prepare(prompts)
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         lengths = [len(ids) for _, ids in prepared]
-        params = self._params(body, lengths, max_tokens, body.logprobs)
+        params = self._params(body, lengths, max_tokens, body.logprobs, constraint)
+        await self._compiled(constraint, source)
         self._admit(len(prompts) * body.n, sum(lengths))
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -437,35 +476,40 @@ class _Context:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
-        ids = await self.chat_ids(body.messages)
+        s = self.settings
+        plan = plan_tools(body, s.enable_auto_tool_choice, s.tool_call_parser)
+        constraint, source = body.output_constraint()
+        if plan.constraint is not None:
+            if constraint is not None:
+                raise APIError(
+                    400,
+                    f"tool_choice {plan.mode!r} constrains the output already: give no "
+                    "response_format or structured_outputs with it",
+                    param="tool_choice",
+                )
+            constraint, source = plan.constraint, "tools"
+        ids = await self.chat_ids(body.messages, plan.tools)
         ids = self.front.engine.prepare_prompt(ids)[1]
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._params(body, [len(ids)], max_tokens, top)
+        params = self._params(body, [len(ids)], max_tokens, top, constraint)
+        await self._compiled(constraint, source)
         self._admit(body.n, len(ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         gen = self._generate(rid, (None, ids), params, body)
         if body.stream:
-            return _sse(self._chat_events(gen, rid, created, body))
+            return _sse(self._chat_events(gen, rid, created, body, plan))
         out = await _until_disconnect(raw, _last(gen))
         usage = _Usage()
         usage.add(out)
-        choices = [
-            {
-                "index": comp.index,
-                "message": {"role": "assistant", "content": comp.text},
-                "logprobs": _chat_logprobs(comp.logprobs, self._namer(body)),
-                "finish_reason": comp.finish_reason,
-                "stop_reason": comp.stop_reason,
-            }
-            for comp in out.outputs
-        ]
+        choices = [_chat_choice(comp, plan, self._namer(body)) for comp in out.outputs]
         body = self._chunker(rid, "chat.completion", created)(choices, usage=usage.as_dict())
         return JSONResponse(body)
 
-    async def _chat_events(self, gen, rid, created, body) -> AsyncIterator[dict]:
+    async def _chat_events(self, gen, rid, created, body, plan: ToolPlan) -> AsyncIterator[dict]:
         chunk = self._chunker(rid, "chat.completion.chunk", created)
+        calls: dict[int, ChoiceCalls] = {}
 
         yield chunk(
             [
@@ -478,15 +522,61 @@ class _Context:
                 if _want_usage(body):
                     yield chunk([], usage=item.as_dict())
                 continue
+            delta, finish_reason = _chat_delta(item, plan, calls)
+            if not delta and item.finish_reason is None and item.logprobs is None:
+                continue  # text held back by the tool-call parser
             choice = {
                 "index": item.index,
-                "delta": {"content": item.text} if item.text else {},
+                "delta": delta,
                 "logprobs": _chat_logprobs(item.logprobs, self._namer(body)),
-                "finish_reason": item.finish_reason,
+                "finish_reason": finish_reason,
             }
             if item.finish_reason is not None:
                 choice["stop_reason"] = item.stop_reason
             yield chunk([choice])
+
+
+def _chat_choice(comp, plan: ToolPlan, namer) -> dict:
+    """One choice of a whole chat answer: its text, or its tool calls."""
+    message: dict[str, Any] = {"role": "assistant", "content": comp.text}
+    finish_reason = comp.finish_reason
+    parser = plan.new_parser()
+    if parser is not None:
+        calls = ChoiceCalls(parser)
+        calls.feed(comp.text)
+        calls.finish()
+        if calls.names:
+            message = calls.message()
+        finish_reason = plan.finish_reason(finish_reason, len(calls.names))
+    return {
+        "index": comp.index,
+        "message": message,
+        "logprobs": _chat_logprobs(comp.logprobs, namer),
+        "finish_reason": finish_reason,
+        "stop_reason": comp.stop_reason,
+    }
+
+
+def _chat_delta(item: _Delta, plan: ToolPlan, calls: dict[int, ChoiceCalls]):
+    """A stream event's delta (content and/or tool-call deltas) and finish reason."""
+    parser = calls.get(item.index)
+    if parser is None and plan.mode != "none":
+        parser = calls[item.index] = ChoiceCalls(plan.new_parser())
+    if parser is None:
+        return ({"content": item.text} if item.text else {}), item.finish_reason
+    content, tool_deltas = parser.feed(item.text)
+    if item.finish_reason is not None:
+        more_content, more_deltas = parser.finish()
+        content, tool_deltas = content + more_content, tool_deltas + more_deltas
+    delta: dict[str, Any] = {}
+    if content:
+        delta["content"] = content
+    if tool_deltas:
+        delta["tool_calls"] = tool_deltas
+    finish_reason = item.finish_reason
+    if finish_reason is not None:
+        finish_reason = plan.finish_reason(finish_reason, len(parser.names))
+    return delta, finish_reason
 
 
 def _want_usage(body) -> bool:

@@ -75,6 +75,7 @@ class EngineCollector(Collector):
                 g.add_metric([*self.labels.values(), tenant], counts[slot])
             yield g
         yield from self._spec_decode(s)
+        yield from self._structured(s)
         done = CounterMetricFamily(
             "pagellm:request_success",
             "Finished sequences by finish reason.",
@@ -83,6 +84,27 @@ class EngineCollector(Collector):
         for reason, count in sorted(dict(s.finished).items()):
             done.add_metric([*self.labels.values(), reason], count)
         yield done
+
+    def _structured(self, s: EngineStats) -> Iterator[Metric]:
+        kinds = CounterMetricFamily(
+            "pagellm:structured_output_requests",
+            "Requests with structured outputs by kind (json, regex, choice, grammar, "
+            "json_object; tool calls that a grammar enforces count as json).",
+            labels=[*self.labels, "kind"],
+        )
+        for kind, count in sorted(dict(s.structured_output_requests).items()):
+            kinds.add_metric([*self.labels.values(), kind], count)
+        yield kinds
+        yield self._counter(
+            "structured_output_mask_seconds",
+            "Time filling grammar token bitmasks before steps.",
+            s.structured_mask_seconds,
+        )
+        yield self._counter(
+            "structured_output_mask_steps",
+            "Steps that filled grammar token bitmasks.",
+            s.structured_mask_steps,
+        )
 
     def _spec_decode(self, s: EngineStats) -> Iterator[Metric]:
         """vLLM's speculative-decoding counters (zero while speculation is off)."""
@@ -186,6 +208,23 @@ _LATENCY_BUCKETS = (
     40.0,
     80.0,
 )
+
+
+_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def grammar_compile_histogram(registry: CollectorRegistry, model_name: str) -> Callable:
+    """``observe`` of the grammar compile-time histogram (compilations only, not cache hits)."""
+    from prometheus_client import Histogram
+
+    h = Histogram(
+        "pagellm:structured_output_compile_seconds",
+        "Time compiling a structured-output grammar (cache misses).",
+        ["model_name"],
+        registry=registry,
+        buckets=_COMPILE_BUCKETS,
+    )
+    return h.labels(model_name).observe
 
 
 class RequestLatencies:

@@ -7,6 +7,7 @@ no tokenizer or metric takes), lists and strings of bounded size. Anything else 
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -18,6 +19,7 @@ from pagellm.engine.sampling_params import (
     SEED_MIN,
     SamplingParams,
 )
+from pagellm.structured.params import StructuredOutputError, StructuredOutputsParams
 
 MAX_USER_CHARS = 256
 """The ``user`` field names a tenant (fair scheduling, metrics): a short id, not a document."""
@@ -41,6 +43,38 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+JsonValue = dict[str, Any] | Text
+
+
+class StructuredOutputsBody(_Strict):
+    """vLLM's ``structured_outputs`` request field: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: JsonValue | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    """vLLM's: no fallback to another backend (pagellm has one, so there is none anyway)."""
+
+
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: Text = "response"
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Common(_Strict):
@@ -69,8 +103,20 @@ class _Common(_Strict):
     """vLLM's extension: logprobs name tokens as "token_id:{id}" instead of their text."""
     stream: bool = False
     stream_options: StreamOptions | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: JsonValue | None = None
+    """vLLM's older names for the structured_outputs fields."""
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        structured: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         """Raises ParamError (a ValueError naming the parameter) on out-of-range values."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
@@ -91,7 +137,51 @@ class _Common(_Strict):
             logprobs=logprobs,
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids,
+            structured_outputs=structured,
         )
+
+    def output_constraint(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The request's structured-output constraint from ``structured_outputs``,
+        ``response_format`` or a ``guided_*`` field, and that field's name; more than one of
+        them is an error (StructuredOutputError, a 400)."""
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        if self.structured_outputs is not None:
+            b = self.structured_outputs
+            found.append(("structured_outputs", _constraint(
+                "structured_outputs", json=b.json_, regex=b.regex, choice=b.choice,
+                grammar=b.grammar, json_object=b.json_object,
+                disable_any_whitespace=b.disable_any_whitespace,
+            )))  # fmt: skip
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append(("response_format", _constraint("response_format", json_object=True)))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise StructuredOutputError(
+                    "response_format of type json_schema needs json_schema.schema",
+                    "response_format",
+                )
+            found.append(
+                ("response_format", _constraint("response_format", json=fmt.json_schema.schema_))
+            )
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, _constraint(name, **{kind: value})))
+        if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
+            raise StructuredOutputError(
+                f"give one structured-output constraint, not several ({names})", found[1][0]
+            )
+        return (found[0][1], found[0][0]) if found else (None, "structured_outputs")
+
+
+def _constraint(param: str, **fields: Any) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**fields)
+    except StructuredOutputError as exc:
+        raise StructuredOutputError(str(exc), param) from None
 
 
 class CompletionRequest(_Common):
@@ -107,9 +197,26 @@ class TextPart(_Strict):
     text: Text
 
 
+class FunctionCall(_Strict):
+    name: Text
+    arguments: Text = "{}"
+    """JSON text, as OpenAI sends it."""
+
+
+class ToolCall(_Strict):
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    """An assistant turn's calls (sent back in the next request of a tool conversation)."""
+    tool_call_id: Text | None = None
+    """A tool turn: the call whose result this is."""
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -117,8 +224,37 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+
+
+class FunctionDefinition(_Strict):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments (none: any JSON object)."""
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default: "auto" when tools are given, else "none" (OpenAI's and vLLM's)."""
+    parallel_tool_calls: bool = True
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -137,5 +273,28 @@ class DetokenizeRequest(_Strict):
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """What the chat template renders: role and text of each message."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    """What the chat template renders: role and text of each message, and the tool calls and
+    tool-call ids of a tool conversation (arguments as a mapping where they are JSON, as
+    templates that render tool calls expect)."""
+    out = []
+    for m in messages:
+        item: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            item["name"] = m.name
+        if m.tool_call_id is not None:
+            item["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            item["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _arguments(c.function)}}
+                for c in m.tool_calls
+            ]  # fmt: skip
+        out.append(item)
+    return out
+
+
+def _arguments(call: FunctionCall) -> Any:
+    try:
+        return json.loads(call.arguments)
+    except json.JSONDecodeError:
+        return call.arguments

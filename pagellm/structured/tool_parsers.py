@@ -1,0 +1,300 @@
+"""Tool calls out of generated text, as it streams: the same parser gives the streamed deltas and
+the whole answer, so a client that reassembles the deltas gets exactly the non-streamed calls.
+
+- ``RequiredCalls``: the JSON array that ``tool_choice: required`` constrains the output to;
+  a call's name is sent once it is complete, its arguments as they are generated.
+- ``NamedCall``: the whole output is the named function's arguments.
+- ``auto`` parsers (``--tool-call-parser``, vLLM's names): ``hermes`` (``<tool_call>{"name",
+  "arguments"}</tool_call>`` blocks amid text) and ``llama3_json`` (the output is one or more
+  ``{"name", "parameters"}`` objects separated by ``;``, optionally after ``<|python_tag|>``).
+  Text outside calls is content; a block that does not parse stays content.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
+
+@dataclass(slots=True)
+class CallDelta:
+    """New text of call ``index``: ``name`` on its first delta only."""
+
+    index: int
+    name: str | None
+    arguments: str
+
+
+@dataclass(slots=True)
+class ParsedCalls:
+    """Everything a parser produced, accumulated (the non-streamed answer)."""
+
+    content: str = ""
+    names: list[str] = field(default_factory=list)
+    arguments: list[str] = field(default_factory=list)
+
+    def add(self, content: str, deltas: list[CallDelta]) -> None:
+        self.content += content
+        for d in deltas:
+            if d.name is not None:
+                self.names.append(d.name)
+                self.arguments.append("")
+            self.arguments[d.index] += d.arguments
+
+
+class CallParser(ABC):
+    """Feed the output's text as it grows; each call returns (new content, call deltas)."""
+
+    @abstractmethod
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]: ...
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        """The end of the output: what was held back."""
+        return "", []
+
+    def parse_all(self, text: str) -> ParsedCalls:
+        parsed = ParsedCalls()
+        parsed.add(*self.feed(text))
+        parsed.add(*self.finish())
+        return parsed
+
+
+class NamedCall(CallParser):
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._started = False
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        if self._started and not text:
+            return "", []
+        name = None if self._started else self.name
+        self._started = True
+        return "", [CallDelta(0, name, text)]
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        return self.feed("")
+
+
+@dataclass(slots=True)
+class _Span:
+    name: str | None = None
+    args_start: int | None = None
+    args_end: int | None = None
+
+
+class RequiredCalls(CallParser):
+    """The array ``[{"name": ..., "parameters": {...}}, ...]`` scanned as it grows (the grammar
+    keeps the keys in this order)."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._sent_names = 0
+        self._sent_args: list[int] = []
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        self._text += text
+        deltas = []
+        for i, span in enumerate(scan_call_array(self._text)):
+            if span.name is None:
+                break
+            if i >= self._sent_names:
+                deltas.append(CallDelta(i, span.name, ""))
+                self._sent_names += 1
+                self._sent_args.append(span.args_start or 0)
+            if span.args_start is None:
+                continue
+            start = max(self._sent_args[i], span.args_start)
+            end = span.args_end if span.args_end is not None else len(self._text)
+            if end > start:
+                piece = self._text[start:end]
+                if deltas and deltas[-1].index == i:
+                    deltas[-1].arguments += piece
+                else:
+                    deltas.append(CallDelta(i, None, piece))
+                self._sent_args[i] = end
+        return "", deltas
+
+
+def scan_call_array(text: str) -> list[_Span]:
+    """Where each call's name and parameters are in a (possibly unfinished) JSON array of
+    call objects."""
+    spans: list[_Span] = []
+    depth, i, expect_key, key = 0, 0, False, None
+    while i < len(text):
+        ch = text[i]
+        if ch == '"':
+            end = _string_end(text, i)
+            if end is None:
+                break
+            if depth == 2 and spans:
+                value = json.loads(text[i : end + 1])
+                if expect_key:
+                    key = value
+                elif key == "name":
+                    spans[-1].name = value
+                elif key == "parameters" and spans[-1].args_start is None:
+                    spans[-1].args_start, spans[-1].args_end = i, end + 1
+            i = end + 1
+            continue
+        if ch in "{[":
+            if depth == 1 and ch == "{":
+                spans.append(_Span())
+                expect_key = True
+            elif depth == 2 and key == "parameters" and spans[-1].args_start is None:
+                spans[-1].args_start = i
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 2 and spans and spans[-1].args_end is None and key == "parameters":
+                spans[-1].args_end = i + 1
+        elif depth == 2 and ch == ":":
+            expect_key = False
+        elif depth == 2 and ch == ",":
+            expect_key = True
+        i += 1
+    return spans
+
+
+def _string_end(text: str, start: int) -> int | None:
+    """Index of the quote closing the JSON string that opens at ``start`` (None: unfinished)."""
+    i = start + 1
+    while i < len(text):
+        if text[i] == "\\":
+            i += 2
+            continue
+        if text[i] == '"':
+            return i
+        i += 1
+    return None
+
+
+def _call_from_json(obj: Any, args_keys: tuple[str, ...]) -> tuple[str, str] | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = next((obj[k] for k in args_keys if k in obj), {})
+    return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
+class HermesCalls(CallParser):
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._in_call = False
+        self._calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        self._buffer += text
+        content, deltas = "", []
+        while True:
+            if self._in_call:
+                end = self._buffer.find(self.END)
+                if end < 0:
+                    break
+                content += self._close(self._buffer[:end], deltas)
+                self._buffer = self._buffer[end + len(self.END) :]
+                continue
+            start = self._buffer.find(self.START)
+            if start < 0:
+                keep = _partial_suffix(self._buffer, self.START)
+                content += self._text(self._buffer[: len(self._buffer) - keep])
+                self._buffer = self._buffer[len(self._buffer) - keep :]
+                break
+            content += self._text(self._buffer[:start])
+            self._buffer = self._buffer[start + len(self.START) :]
+            self._in_call = True
+        return content, deltas
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        deltas: list[CallDelta] = []
+        rest, self._buffer = self._buffer, ""
+        content = self._close(rest, deltas) if self._in_call else self._text(rest)
+        return content, deltas
+
+    def _close(self, body: str, deltas: list[CallDelta]) -> str:
+        """A call block's body: a call, or (not a call) content again."""
+        self._in_call = False
+        try:
+            call = _call_from_json(json.loads(body), ("arguments", "parameters"))
+        except json.JSONDecodeError:
+            call = None
+        if call is None:
+            return self.START + body
+        deltas.append(CallDelta(self._calls, call[0], call[1]))
+        self._calls += 1
+        return ""
+
+    def _text(self, text: str) -> str:
+        """Content; whitespace between calls is not."""
+        return "" if self._calls and not text.strip() else text
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that could begin ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class Llama3JsonCalls(CallParser):
+    """Calls only when the whole output is calls; decided at the end if it starts like one."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._holding: bool | None = None
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        self._buffer += text
+        if self._holding is None:
+            head = self._buffer.lstrip()
+            if not head:
+                return "", []
+            if head.startswith("{") or head.startswith(self.TAG):
+                self._holding = True
+            elif self.TAG.startswith(head):
+                return "", []
+            else:
+                self._holding = False
+        if self._holding:
+            return "", []
+        out, self._buffer = self._buffer, ""
+        return out, []
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        text, self._buffer = self._buffer, ""
+        calls = _json_calls(text.strip().removeprefix(self.TAG).strip())
+        if calls is None:
+            return text, []
+        return "", [CallDelta(i, name, args) for i, (name, args) in enumerate(calls)]
+
+
+def _json_calls(text: str) -> list[tuple[str, str]] | None:
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(text):
+        try:
+            obj, end = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return None
+        call = _call_from_json(obj, ("parameters", "arguments"))
+        if call is None:
+            return None
+        calls.append(call)
+        at = end
+        while at < len(text) and text[at] in " \t\r\n;":
+            at += 1
+    return calls or None
+
+
+def auto_parser(name: str) -> CallParser:
+    if name == "hermes":
+        return HermesCalls()
+    if name == "llama3_json":
+        return Llama3JsonCalls()
+    raise ValueError(f"unknown tool call parser {name!r} (one of {', '.join(TOOL_CALL_PARSERS)})")
