@@ -226,18 +226,11 @@ class Sampler:
 
 def _is_simple(req: ScheduledRequest) -> bool:
     """Greedy on the raw logits: an argmax decides, nothing shapes them first."""
-    p = req.params
-    return (
-        p.greedy
-        and not p.needs_penalties
-        and not p.shapes_logits
-        and p.logprobs is None
-        and len(req.output_token_ids) >= p.min_tokens
-    )
+    return _is_masked_greedy(req) and req.params.structured_outputs is None
 
 
 def _is_masked_greedy(req: ScheduledRequest) -> bool:
-    """Greedy on the logits with only a grammar's bitmask applied."""
+    """Greedy on the logits with at most a grammar's bitmask applied."""
     p = req.params
     return (
         p.greedy
