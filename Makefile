@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: run test lint format fetch-model bench gpu-carry clean
+.PHONY: run test lint format fetch-model system-deps bench gpu-carry clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,15 @@ fetch-model: $(STAMP)
 run: fetch-model
 	$(VENV)/bin/pagellm serve --host 127.0.0.1 --port 8000
 
-test: fetch-model
+# Debian's chromium (the console's browser tests) and nginx (deploy/nginx.conf's tests).
+system-deps:
+	@if ! command -v chromium >/dev/null || ! test -x /usr/sbin/nginx; then \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+			--no-install-recommends chromium nginx-light; \
+	fi
+
+test: fetch-model system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -x

@@ -176,6 +176,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         metrics_need_key=not args.allow_unauthenticated_metrics,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        disable_ui=args.disable_ui,
     )
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("pagellm serve: --enable-auto-tool-choice needs --tool-call-parser")
@@ -223,6 +224,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         backend_api_key=args.backend_api_key,
         config_path=args.config,
         flag_backends=tuple(args.backend),
+        disable_ui=args.disable_ui,
     )
     tokenizers = load_tokenizers(args.tokenizer)
     _serve_until_drained(build_gateway_app(Gateway(settings, tokenizers=tokenizers)), args)
@@ -344,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="abort a request this many seconds after it arrives and answer 504 (default: none)",
     )
     serve.add_argument(
+        "--disable-ui", action="store_true", help="no web console at /ui (it is on by default)"
+    )
+    serve.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='tool_choice "auto": parse the model\'s own tool calls (needs --tool-call-parser)',
@@ -369,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--host", default="127.0.0.1")
     gw.add_argument("--port", type=int, default=8080)
     gw.add_argument("--backend", action="append", default=[], help="replica base URL (repeat)")
+    gw.add_argument("--disable-ui", action="store_true", help="no fleet console at /ui")
     from pagellm.gateway.routing import ROUTING_POLICIES
 
     gw.add_argument("--routing", choices=ROUTING_POLICIES, default="least-load")

@@ -20,8 +20,9 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.outputs import RequestOutput
@@ -50,6 +51,16 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _Call:
+    """Run ``fn(engine)`` on the engine thread between steps; its result (or error) goes to
+    ``future`` on ``loop``."""
+
+    fn: Callable[[LLMEngine], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
 
 
 class _Stream:
@@ -90,7 +101,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.error: BaseException | None = None
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         """Guards ``_streams`` and the queued counts (both threads touch them)."""
@@ -176,6 +187,15 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """``fn(engine)`` run on the engine thread between two steps (so it sees a consistent
+        state, e.g. for a snapshot), awaited here."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put(_Call(fn, loop, future))
+        return await future
+
     def _check_alive(self) -> None:
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
@@ -239,13 +259,15 @@ class AsyncLLMEngine:
         while item is not None:
             if isinstance(item, _Add):
                 self._add(item)
+            elif isinstance(item, _Call):
+                _run_call(item, self.engine)
             else:
                 aborts.append(item.request_id)
             item = self._get_nowait()
         if aborts:
             self.engine.abort_requests(aborts)
 
-    def _get_nowait(self) -> _Add | _Abort | None:
+    def _get_nowait(self) -> _Add | _Abort | _Call | None:
         try:
             return self._inbox.get_nowait()
         except queue.Empty:
@@ -283,3 +305,21 @@ class AsyncLLMEngine:
             streams = list(self._streams.values())
         for stream in streams:
             stream.push(error)
+
+
+def _run_call(item: _Call, engine: LLMEngine) -> None:
+    try:
+        result, error = item.fn(engine), None
+    except Exception as exc:  # noqa: BLE001 - the caller gets it; the engine runs on
+        result, error = None, exc
+
+    def settle() -> None:
+        if item.future.done():
+            return
+        if error is not None:
+            item.future.set_exception(error)
+        else:
+            item.future.set_result(result)
+
+    with contextlib.suppress(RuntimeError):  # the caller's loop is closed
+        item.loop.call_soon_threadsafe(settle)

@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
+from pagellm.console.routes import install_console
 from pagellm.engine.errors import ContextLengthExceeded
 from pagellm.gateway.breaker import BreakerState, CircuitBreaker
 from pagellm.gateway.config import ConfigError, Fleet, GatewaySettings, read_fleet
@@ -618,6 +619,32 @@ class Gateway:
         extra = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
         return Response(content, status_code=resp.status_code, media_type=media, headers=extra)
 
+    async def key_required(self, raw: Request) -> JSONResponse | None:
+        """The console's state needs a gateway key when the gateway has keys (a 401 if not)."""
+        if self.keys.enabled and self.keys.identify(raw.headers.get("authorization")) is None:
+            return _error(401, "missing or wrong API key")
+        return None
+
+    async def console_state(self) -> dict[str, Any]:
+        """The fleet for the console: each replica's health, breaker, load and KV usage."""
+        replicas = [
+            {
+                "url": r.url,
+                "healthy": r.breaker.state is not BreakerState.OPEN,
+                "breaker": r.breaker.state.value,
+                "outstanding": r.outstanding,
+                "scraped_requests": r.scraped_requests,
+                "kv_usage": r.scraped_kv_usage,
+                "models": sorted(r.models),
+                "fallback": r.fallback,
+            }
+            for r in self.replicas
+        ]
+        total = sum(s.value for m in self.metrics.requests.collect() for s in m.samples
+                    if s.name.endswith("_total"))  # fmt: skip
+        return {"kind": "gateway", "time": time.monotonic(), "replicas": replicas,
+                "requests_total": total}  # fmt: skip
+
     def models(self) -> dict[str, Any]:
         names = sorted({m for r in self.replicas for m in r.models})
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "pagellm"} for n in names]
@@ -787,5 +814,8 @@ def build_gateway_app(gateway: Gateway) -> FastAPI:
     async def metrics() -> Response:
         gateway.refresh_gauges()
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    if not gateway.settings.disable_ui:
+        install_console(app, gateway.console_state, gateway.key_required)
 
     return app

@@ -85,6 +85,8 @@ class GatewaySettings:
     """The YAML file the fleet came from; watched, and reloaded when it changes."""
     flag_backends: tuple[str, ...] = ()
     """Replicas given with --backend: kept across reloads of the file."""
+    disable_ui: bool = False
+    """No fleet console at /ui (``--disable-ui``)."""
 
 
 def read_fleet(path: str | Path | None, flag_backends: tuple[str, ...] = ()) -> Fleet:

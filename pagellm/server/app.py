@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm import __version__
+from pagellm.console.routes import RecentLatencies, install_console, is_open_path
 from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailed
 from pagellm.engine.errors import ContextLengthExceeded, RequestRejected
 from pagellm.engine.outputs import RequestOutput
@@ -69,6 +70,8 @@ class ServerSettings:
     """Most sequences one request may ask for (a completions request's prompts x n)."""
     metrics_need_key: bool = True
     """With an API key: /metrics needs it too (False opens it for a scraper)."""
+    disable_ui: bool = False
+    """No web console at /ui (``--disable-ui``)."""
     enable_auto_tool_choice: bool = False
     """``tool_choice: auto`` parses the model's tool calls (vLLM's --enable-auto-tool-choice)."""
     tool_call_parser: str | None = None
@@ -90,7 +93,10 @@ def build_app(front: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -
     registry = make_registry(
         front.engine.stats, settings.model_name, lambda: front.thread_cpu_seconds
     )
-    ctx.latencies = RequestLatencies(registry, settings.model_name)
+    recent = RecentLatencies()
+    ctx.latencies = RequestLatencies(registry, settings.model_name, recent)
+    if not settings.disable_ui:
+        install_console(app, _console_state(front, settings, recent))
     structured = getattr(front.engine, "structured", None)
     if structured is not None:
         structured.compiler.on_compiled = grammar_compile_histogram(registry, settings.model_name)
@@ -145,6 +151,26 @@ def build_app(front: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -
         return {"prompt": text}
 
     return app
+
+
+def _console_state(front: AsyncLLMEngine, settings: ServerSettings, recent: RecentLatencies):
+    """The console's live state: an engine snapshot, the server's facts, recent latencies."""
+    from pagellm.console.snapshot import engine_snapshot
+
+    async def state() -> dict[str, Any]:
+        snap = await front.call(engine_snapshot)
+        now = time.monotonic()
+        snap.update(
+            time=now,
+            model=settings.model_name,
+            max_model_len=settings.max_model_len,
+            healthy=front.is_healthy,
+            auto_tools=settings.enable_auto_tool_choice,
+            latencies=recent.series(now),
+        )
+        return snap
+
+    return state
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -242,7 +268,10 @@ class _Guards:
         await self.app(scope, receive, send)
 
     def _check_key(self, scope) -> APIError | None:
-        if self.expected is None or scope["path"] in self.open_paths:
+        path = scope["path"]
+        if self.expected is None or path in self.open_paths:
+            return None
+        if not self.settings.disable_ui and is_open_path(path):
             return None
         given = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), b"")
         if not hmac.compare_digest(given, self.expected):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -230,8 +231,12 @@ def grammar_compile_histogram(registry: CollectorRegistry, model_name: str) -> C
 class RequestLatencies:
     """Histograms observed by the server as outputs arrive (same monotonic clock as the engine)."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str, recent: Any = None) -> None:
+        """``recent``: also keep the last observations there (``ttft`` and ``itl`` deques of
+        (time, seconds), the console's charts)."""
         from prometheus_client import Histogram
+
+        self.recent = recent
 
         def histogram(name: str, doc: str) -> Histogram:
             h = Histogram(
@@ -253,8 +258,12 @@ class RequestLatencies:
                 now = clock()
                 if last is None:
                     self.ttft.observe(now - start)
+                    if self.recent is not None:
+                        self.recent.ttft.append((now, now - start))
                 else:
                     self.itl.observe(now - last)
+                    if self.recent is not None:
+                        self.recent.itl.append((now, now - last))
                 last = now
                 if out.finished:
                     self.e2e.observe(now - start)
