@@ -444,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks that write JSON and print a table")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from pagellm.bench import (
+        console,
         long_prompt,
         quantization,
         reliability,
@@ -460,6 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     quantization.add_parser(bench_sub)
     step_profile.add_parser(bench_sub)
     structured.add_parser(bench_sub)
+    console.add_parser(bench_sub)
     return parser
 
 
