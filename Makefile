@@ -26,8 +26,8 @@ run: fetch-model
 system-deps:
 	@if ! command -v chromium >/dev/null || ! test -x /usr/sbin/nginx; then \
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
-			--no-install-recommends chromium nginx-light; \
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive RUNLEVEL=1 apt-get install -y -qq \
+			--no-install-recommends chromium nginx; \
 	fi
 
 test: fetch-model system-deps

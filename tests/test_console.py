@@ -23,10 +23,7 @@ from server_helpers import (
     wait_until,
 )
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                 "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]  # fmt: skip
+from pagellm.bench.console import CHROMIUM, CHROMIUM_ARGS
 
 pytestmark = [
     pytest.mark.timeout(600),

@@ -211,6 +211,11 @@ keys:
             assert r.status_code == 200, r.text
         over = httpx.post(url, json=body, headers=a)
         assert over.status_code == 429 and int(over.headers["retry-after"]) >= 1
+        # the fleet console's state needs a gateway key too (its page does not)
+        assert httpx.get(f"{gw}/ui/api/state").status_code == 401
+        state = httpx.get(f"{gw}/ui/api/state", headers={"Authorization": "Bearer key-b"})
+        assert state.status_code == 200 and state.json()["replicas"][0]["url"] == b1
+        assert httpx.get(f"{gw}/ui").status_code == 200
 
 
 def test_prompt_length_precheck_never_reaches_a_replica(replicas, tiny_models):
