@@ -234,3 +234,32 @@ def test_bitmask_kernel_matches_torch(vocab):
             allowed = bits[: min(cut * 32, vocab)].nonzero().flatten()
             assert torch.equal(want[allowed], row[allowed])
             assert (want == float("-inf")).sum() == vocab - len(allowed)
+
+
+def test_a_grammar_too_expensive_to_match_fails_alone(llm):
+    """An ambiguous grammar's matching grows superlinearly with the output: past the budget
+    its request fails, and the other requests of the batch finish as usual."""
+    structured = llm.engine.structured
+    saved = structured.max_call_seconds
+    structured.max_call_seconds = 0.01  # the real bound is 0.25 s; the same check, sooner
+    try:
+        ambiguous = 'root ::= x+\nx ::= "a" | "a" "a" | x x | "a" x "a"'
+        params = [
+            # min_tokens: the grammar could end at once; its end (EOS) is banned for a while
+            SamplingParams(temperature=0, max_tokens=400, min_tokens=390,
+                           structured_outputs=StructuredOutputsParams(grammar=ambiguous)),
+            greedy([40])[0],
+        ]  # fmt: skip
+        engine = llm.engine
+        engine.add_request("ambiguous", "x", params[0])
+        engine.add_request("plain", "y", params[1])
+        finished = {}
+        for _ in range(2000):
+            if not engine.has_unfinished_requests():
+                break
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+        assert "too expensive to match" in finished["ambiguous"].error
+        assert finished["plain"].error is None
+        assert len(finished["plain"].outputs[0].token_ids) == 40
+    finally:
+        structured.max_call_seconds = saved

@@ -59,6 +59,7 @@ class StructuredOutputs(Protocol):
     def bitmask(self, seq_id: str, proposal: list[int]) -> object: ...
     def accept(self, seq_id: str, tokens: list[int]) -> bool: ...
     def is_terminated(self, seq_id: str) -> bool: ...
+    def over_budget(self, seq_id: str) -> str | None: ...
 
 
 class TokenizerLike(Protocol):
@@ -276,8 +277,9 @@ class LLMEngine:
             self.stats.structured_mask_steps += 1
 
     def _advance_grammars(self, touched: list[tuple[Request, int]], failed: dict[str, str]):
-        """Feed each constrained sequence its new tokens; one the grammar rejects fails its
-        request, one whose grammar is complete stops."""
+        """Feed each constrained sequence its new tokens; one the grammar rejects, or whose
+        matching takes too long (it would stall every step), fails its request; one whose
+        grammar is complete stops."""
         structured = self.structured
         if structured is None:
             return
@@ -286,10 +288,14 @@ class LLMEngine:
             if not structured.has(seq_id):
                 continue
             new = req.output_token_ids[len(req.output_token_ids) - num_new :]
-            if not structured.accept(seq_id, new):
+            accepted = structured.accept(seq_id, new)
+            why = structured.over_budget(seq_id)
+            if not accepted or why is not None:
                 group = self._seq_to_group.get(seq_id)
                 if group is not None:
-                    failed.setdefault(group.request_id, f"the grammar rejected a token of {new}")
+                    failed.setdefault(
+                        group.request_id, why or f"the grammar rejected a token of {new}"
+                    )
             elif structured.is_terminated(seq_id) and not req.is_finished:
                 self.scheduler.finish_request(seq_id, FinishReason.STOP)
 

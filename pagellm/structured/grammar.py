@@ -142,13 +142,33 @@ def choice_grammar(choices: list[str]) -> str:
 class _Entry:
     future: Future
     matcher: Any = None
+    seconds: float = 0.0
+    """Time its matcher has taken so far (bitmasks and accepted tokens)."""
+    slowest: float = 0.0
+    """Its slowest single bitmask or accept."""
+
+
+MAX_MATCH_CALL_SECONDS = 0.25
+"""One bitmask fill or token accept of one sequence may take this long; a grammar that takes
+longer (an ambiguous EBNF can grow superlinearly with the output) fails its request alone,
+before it stalls every other request's steps on the engine thread."""
+MAX_MATCH_SECONDS = 10.0
+"""A sequence's matcher may take this long in all."""
 
 
 class StructuredOutputManager:
     """Per-sequence grammar state for the engine (which calls it from its one thread)."""
 
-    def __init__(self, compiler: GrammarCompiler, max_rollback: int = 16) -> None:
+    def __init__(
+        self,
+        compiler: GrammarCompiler,
+        max_rollback: int = 16,
+        max_call_seconds: float = MAX_MATCH_CALL_SECONDS,
+        max_seconds: float = MAX_MATCH_SECONDS,
+    ) -> None:
         self.compiler = compiler
+        self.max_call_seconds = max_call_seconds
+        self.max_seconds = max_seconds
         self.max_rollback = max_rollback
         """Proposals longer than this are cut (bounds the matcher's work per step)."""
         self._entries: dict[str, _Entry] = {}
@@ -202,7 +222,9 @@ class StructuredOutputManager:
         """Allowed tokens of the next ``1 + len(proposal)`` rows, as int32 bitmask rows (bit
         ``t % 32`` of word ``t // 32`` set when token t is allowed): row j as if the first j
         proposed tokens were accepted. The proposal must be one ``allowed_proposal`` passed."""
-        matcher = self._entries[seq_id].matcher
+        entry = self._entries[seq_id]
+        start = time.perf_counter()
+        matcher = entry.matcher
         rows = torch.empty((1 + len(proposal), self._words), dtype=torch.int32)
         accepted = 0
         for j in range(len(proposal) + 1):
@@ -213,12 +235,36 @@ class StructuredOutputManager:
                 accepted += 1
         if accepted:
             matcher.rollback(accepted)
+        self._charge(entry, time.perf_counter() - start)
         return rows
 
     def accept(self, seq_id: str, tokens: list[int]) -> bool:
         """Advance with the sequence's new tokens; False if the grammar rejects one."""
-        matcher = self._entries[seq_id].matcher
-        return all(matcher.accept_token(t) for t in tokens)
+        entry = self._entries[seq_id]
+        start = time.perf_counter()
+        ok = all(entry.matcher.accept_token(t) for t in tokens)
+        self._charge(entry, time.perf_counter() - start)
+        return ok
+
+    @staticmethod
+    def _charge(entry: _Entry, seconds: float) -> None:
+        entry.seconds += seconds
+        entry.slowest = max(entry.slowest, seconds)
+
+    def over_budget(self, seq_id: str) -> str | None:
+        """Why this sequence's grammar costs too much to go on matching, or None."""
+        entry = self._entries[seq_id]
+        if entry.slowest > self.max_call_seconds:
+            return (
+                f"the grammar is too expensive to match: one step took {entry.slowest:.2f} s "
+                f"(at most {self.max_call_seconds:g} s; an ambiguous grammar?)"
+            )
+        if entry.seconds > self.max_seconds:
+            return (
+                f"the grammar is too expensive to match: {entry.seconds:.1f} s in all "
+                f"(at most {self.max_seconds:g} s)"
+            )
+        return None
 
     def is_terminated(self, seq_id: str) -> bool:
         """The grammar is complete and its stop token accepted: nothing more may follow."""
