@@ -35,6 +35,16 @@ def constrained(seed: int, max_tokens: int = 300, temperature: float = 1.0, **co
     )
 
 
+def run_engine(engine, max_steps: int = 2000) -> dict:
+    """Step until every request ended; the finished outputs by request id."""
+    finished = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    return finished
+
+
 @pytest.mark.parametrize("no_whitespace, least", [(True, 90), (False, 25)])
 def test_sampled_outputs_match_100_json_schemas(llm, no_whitespace, least):
     """With free whitespace the random model often wanders in it until max_tokens: fewer
@@ -127,11 +137,7 @@ def test_grammar_that_does_not_compile_fails_alone(llm):
     engine = llm.engine
     engine.add_request("bad-regex", "x", constrained(0, regex="[a-"))
     engine.add_request("fine", "y", greedy([8])[0])
-    finished = {}
-    for _ in range(500):
-        if not engine.has_unfinished_requests():
-            break
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    finished = run_engine(engine)
     assert "Unclosed" in finished["bad-regex"].error
     assert finished["fine"].error is None
     assert len(finished["fine"].outputs[0].token_ids) == 8
@@ -253,11 +259,7 @@ def test_a_grammar_too_expensive_to_match_fails_alone(llm):
         engine = llm.engine
         engine.add_request("ambiguous", "x", params[0])
         engine.add_request("plain", "y", params[1])
-        finished = {}
-        for _ in range(2000):
-            if not engine.has_unfinished_requests():
-                break
-            finished.update({o.request_id: o for o in engine.step() if o.finished})
+        finished = run_engine(engine)
         assert "too expensive to match" in finished["ambiguous"].error
         assert finished["plain"].error is None
         assert len(finished["plain"].outputs[0].token_ids) == 40
