@@ -134,11 +134,19 @@ def test_grammar_that_does_not_compile_fails_alone(llm):
             llm.generate(["x", "y"], [greedy([8])[0], constrained(0, json=bad)], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     # past the front end (the engine compiles asynchronously): that request fails alone
+    # (a compilation that has already failed when the request arrives rejects it at once)
     engine = llm.engine
-    engine.add_request("bad-regex", "x", constrained(0, regex="[a-"))
-    engine.add_request("fine", "y", greedy([8])[0])
-    finished = run_engine(engine)
-    assert "Unclosed" in finished["bad-regex"].error
+    try:
+        engine.add_request("bad-regex", "x", constrained(0, regex="[a-"))
+    except StructuredOutputError as exc:
+        why = str(exc)
+        engine.add_request("fine", "y", greedy([8])[0])
+        finished = run_engine(engine)
+    else:
+        engine.add_request("fine", "y", greedy([8])[0])
+        finished = run_engine(engine)
+        why = finished["bad-regex"].error
+    assert "Unclosed" in why
     assert finished["fine"].error is None
     assert len(finished["fine"].outputs[0].token_ids) == 8
 
@@ -265,3 +273,21 @@ def test_a_grammar_too_expensive_to_match_fails_alone(llm):
         assert len(finished["plain"].outputs[0].token_ids) == 40
     finally:
         structured.max_call_seconds = saved
+
+
+def test_grammar_cache_is_bounded_by_bytes(llm):
+    from pagellm.structured.grammar import GrammarCompiler
+
+    compiled = []
+    compiler = GrammarCompiler(
+        llm.tokenizer.hf, llm.engine.vocab_size, [llm.tokenizer.eos_token_id],
+        cache_bytes=1, on_compiled=compiled.append,
+    )  # fmt: skip
+    first, second = StructuredOutputsParams(regex="a+"), StructuredOutputsParams(regex="b+")
+    compiler.compile_now(first)
+    compiler.compile_now(first)
+    assert len(compiled) == 1  # a cache hit
+    compiler.compile_now(second)  # over the bytes: the least recently used one goes
+    compiler.compile_now(first)
+    assert len(compiled) == 3
+    compiler.shutdown()

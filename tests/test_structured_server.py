@@ -92,6 +92,7 @@ def test_100_sampled_schemas_streamed_and_not(client):
 def test_regex_choice_grammar_and_json_object(client):
     regex = r"[a-z]{3}-[0-9]{2}"
     grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
+    grammar_done = 0
     for seed in range(4):
         kw = dict(model=MODEL_NAME, prompt="x", max_tokens=60, temperature=1.0, seed=seed)
         out = client.completions.create(**kw, extra_body={"guided_regex": regex}).choices[0]
@@ -102,14 +103,21 @@ def test_regex_choice_grammar_and_json_object(client):
         assert out.text in ("left", "right")
         out = client.completions.create(**kw, extra_body={"guided_grammar": grammar}).choices[0]
         if out.finish_reason == "stop":
+            grammar_done += 1
             assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", out.text), out.text
-    out = client.chat.completions.create(
-        model=MODEL_NAME, messages=USER, max_tokens=200, temperature=0,
-        response_format={"type": "json_object"},
-        extra_body={"structured_outputs": None},
-    )  # fmt: skip
-    if out.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(out.choices[0].message.content), dict)
+    assert grammar_done > 0
+    # the random model rarely closes an object within max_tokens (its keys wander): every
+    # answer is an object's beginning, and one that completes parses as an object
+    objects = []
+    for seed in range(4):
+        out = client.chat.completions.create(
+            model=MODEL_NAME, messages=USER, max_tokens=200, temperature=1.0, seed=seed,
+            response_format={"type": "json_object"},
+        ).choices[0]  # fmt: skip
+        assert out.message.content.startswith("{"), out.message.content
+        if out.finish_reason == "stop":
+            objects.append(json.loads(out.message.content))
+    assert all(isinstance(o, dict) for o in objects)
 
 
 def test_bad_constraints_are_400_and_other_requests_run_on(client):

@@ -51,6 +51,7 @@ class StructuredOutputs(Protocol):
 
     def start(self, seq_id: str, params: object) -> None: ...
     def has(self, seq_id: str) -> bool: ...
+    def active(self) -> bool: ...
     def error(self, seq_id: str) -> str | None: ...
     def ready(self, seq_id: str) -> bool: ...
     def wait_any(self, seq_ids: list[str], timeout: float) -> None: ...
@@ -265,7 +266,7 @@ class LLMEngine:
 
     def _attach_bitmasks(self, sched: SchedulerOutput) -> None:
         structured = self.structured
-        if structured is None:
+        if structured is None or not structured.active():
             return
         start, filled = self.clock(), 0
         for item in sched.scheduled:
@@ -281,7 +282,7 @@ class LLMEngine:
         matching takes too long (it would stall every step), fails its request; one whose
         grammar is complete stops."""
         structured = self.structured
-        if structured is None:
+        if structured is None or not structured.active():
             return
         for req, num_new in touched:
             seq_id = req.request_id

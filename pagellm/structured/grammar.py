@@ -45,11 +45,14 @@ class GrammarCompiler:
         stop_token_ids: list[int],
         max_workers: int = 2,
         cache_size: int = 512,
+        cache_bytes: int = 512 << 20,
         on_compiled: Callable[[float], None] | None = None,
         disable_any_whitespace: bool = False,
     ) -> None:
         """``on_compiled``: called with the seconds of every compilation that ran (cache hits
-        are not compilations); ``disable_any_whitespace``: for every request's JSON."""
+        are not compilations); ``disable_any_whitespace``: for every request's JSON. The cache
+        keeps at most ``cache_size`` grammars and ``cache_bytes`` of them (one constraint of the
+        64 KiB allowed can compile to tens of MB: 3,000 regex alternatives took 21 MB)."""
         import xgrammar as xgr
 
         info = xgr.TokenizerInfo.from_huggingface(
@@ -61,6 +64,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
         self._cache_size = cache_size
+        self._cache_bytes = cache_bytes
         self.on_compiled = on_compiled
         self.vocab_size = vocab_size
         self.disable_any_whitespace = disable_any_whitespace
@@ -75,9 +79,19 @@ class GrammarCompiler:
                 return future
             future = self._pool.submit(self._build, params)
             self._cache[params.key] = future
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+            self._evict()
             return future
+
+    def _evict(self) -> None:
+        """Drop the least recently used grammars past the count or the bytes (the newest one
+        stays; a grammar still compiling counts 0 bytes until it is done)."""
+        sizes = {key: _compiled_bytes(f) for key, f in self._cache.items()}
+        total = sum(sizes.values())
+        while len(self._cache) > 1 and (
+            len(self._cache) > self._cache_size or total > self._cache_bytes
+        ):
+            key, _ = self._cache.popitem(last=False)
+            total -= sizes[key]
 
     def compile_now(self, params: StructuredOutputsParams) -> Any:
         """Compile (or take from the cache) and wait; raises StructuredOutputError."""
@@ -133,6 +147,12 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _compiled_bytes(future: Future) -> int:
+    if not future.done() or future.exception() is not None:
+        return 0
+    return int(future.result().memory_size_bytes)
+
+
 def choice_grammar(choices: list[str]) -> str:
     """EBNF for exactly one of ``choices`` (JSON string escapes are EBNF's too)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -179,6 +199,10 @@ class StructuredOutputManager:
 
     def has(self, seq_id: str) -> bool:
         return seq_id in self._entries
+
+    def active(self) -> bool:
+        """Whether any sequence is constrained (else a step has no grammar work at all)."""
+        return bool(self._entries)
 
     def error(self, seq_id: str) -> str | None:
         """Why the sequence's grammar failed to compile (None while pending or once ready)."""

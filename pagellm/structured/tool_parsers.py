@@ -88,29 +88,35 @@ class _Span:
 
 class RequiredCalls(CallParser):
     """The array ``[{"name": ..., "parameters": {...}}, ...]`` scanned as it grows (the grammar
-    keeps the keys in this order)."""
+    keeps the keys in this order); each character is looked at once, however the text arrives."""
 
     def __init__(self) -> None:
-        self._text = ""
+        self._scan = CallArrayScanner()
         self._sent_names = 0
         self._sent_args: list[int] = []
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
-        self._text += text
+        scan = self._scan
+        scan.feed(text)
         deltas = []
-        for i, span in enumerate(scan_call_array(self._text)):
-            if span.name is None:
+        for i in range(self._sent_names, len(scan.spans)):
+            if scan.spans[i].name is None:
                 break
-            if i >= self._sent_names:
-                deltas.append(CallDelta(i, span.name, ""))
-                self._sent_names += 1
-                self._sent_args.append(span.args_start or 0)
-            if span.args_start is None:
+            deltas.append(CallDelta(i, scan.spans[i].name, ""))
+            self._sent_names += 1
+            self._sent_args.append(0)
+        for i in range(self._sent_names):
+            span = scan.spans[i]
+            if (
+                span.args_start is None
+                or span.args_end is not None
+                and self._sent_args[i] >= (span.args_end)
+            ):
                 continue
-            start = max(self._sent_args[i], span.args_start)
-            end = span.args_end if span.args_end is not None else len(self._text)
-            if end > start:
-                piece = self._text[start:end]
+            begin = max(self._sent_args[i], span.args_start)
+            end = span.args_end if span.args_end is not None else len(scan.text)
+            if end > begin:
+                piece = scan.text[begin:end]
                 if deltas and deltas[-1].index == i:
                     deltas[-1].arguments += piece
                 else:
@@ -119,57 +125,81 @@ class RequiredCalls(CallParser):
         return "", deltas
 
 
+class CallArrayScanner:
+    """Where each call's name and parameters are in a (possibly unfinished) JSON array of call
+    objects, advanced over new text only: a string cut by the end of the text is resumed."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.spans: list[_Span] = []
+        self._at = 0
+        self._depth = 0
+        self._expect_key = False
+        self._key: str | None = None
+        self._string_start: int | None = None
+        """Where the string being read began (None: not in a string)."""
+        self._escaped = False
+
+    def feed(self, text: str) -> None:
+        self.text += text
+        text = self.text
+        while self._at < len(text):
+            i, ch = self._at, text[self._at]
+            self._at += 1
+            if self._string_start is not None:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._end_string(self._string_start, i)
+                continue
+            if ch == '"':
+                self._string_start = i
+            elif ch in "{[":
+                self._open(ch, i)
+            elif ch in "}]":
+                self._depth -= 1
+                span = self.spans[-1] if self.spans else None
+                if (
+                    self._depth == 2
+                    and span
+                    and span.args_end is None
+                    and self._key == "parameters"
+                ):
+                    span.args_end = i + 1
+            elif self._depth == 2 and ch == ":":
+                self._expect_key = False
+            elif self._depth == 2 and ch == ",":
+                self._expect_key = True
+
+    def _open(self, ch: str, i: int) -> None:
+        if self._depth == 1 and ch == "{":
+            self.spans.append(_Span())
+            self._expect_key = True
+        elif self._depth == 2 and self._key == "parameters" and self.spans[-1].args_start is None:
+            self.spans[-1].args_start = i
+        self._depth += 1
+
+    def _end_string(self, start: int, end: int) -> None:
+        self._string_start = None
+        if self._depth != 2 or not self.spans:
+            return
+        value = json.loads(self.text[start : end + 1])
+        span = self.spans[-1]
+        if self._expect_key:
+            self._key = value
+        elif self._key == "name":
+            span.name = value
+        elif self._key == "parameters" and span.args_start is None:
+            span.args_start, span.args_end = start, end + 1
+
+
 def scan_call_array(text: str) -> list[_Span]:
-    """Where each call's name and parameters are in a (possibly unfinished) JSON array of
-    call objects."""
-    spans: list[_Span] = []
-    depth, i, expect_key, key = 0, 0, False, None
-    while i < len(text):
-        ch = text[i]
-        if ch == '"':
-            end = _string_end(text, i)
-            if end is None:
-                break
-            if depth == 2 and spans:
-                value = json.loads(text[i : end + 1])
-                if expect_key:
-                    key = value
-                elif key == "name":
-                    spans[-1].name = value
-                elif key == "parameters" and spans[-1].args_start is None:
-                    spans[-1].args_start, spans[-1].args_end = i, end + 1
-            i = end + 1
-            continue
-        if ch in "{[":
-            if depth == 1 and ch == "{":
-                spans.append(_Span())
-                expect_key = True
-            elif depth == 2 and key == "parameters" and spans[-1].args_start is None:
-                spans[-1].args_start = i
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 2 and spans and spans[-1].args_end is None and key == "parameters":
-                spans[-1].args_end = i + 1
-        elif depth == 2 and ch == ":":
-            expect_key = False
-        elif depth == 2 and ch == ",":
-            expect_key = True
-        i += 1
-    return spans
-
-
-def _string_end(text: str, start: int) -> int | None:
-    """Index of the quote closing the JSON string that opens at ``start`` (None: unfinished)."""
-    i = start + 1
-    while i < len(text):
-        if text[i] == "\\":
-            i += 2
-            continue
-        if text[i] == '"':
-            return i
-        i += 1
-    return None
+    """The spans of ``text`` scanned at once (``CallArrayScanner`` for growing text)."""
+    scanner = CallArrayScanner()
+    scanner.feed(text)
+    return scanner.spans
 
 
 def _call_from_json(obj: Any, args_keys: tuple[str, ...]) -> tuple[str, str] | None:
@@ -186,15 +216,20 @@ class HermesCalls(CallParser):
         self._buffer = ""
         self._in_call = False
         self._calls = 0
+        self._searched = 0
+        """How much of an open call's body was searched for its end tag."""
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self._buffer += text
         content, deltas = "", []
         while True:
             if self._in_call:
-                end = self._buffer.find(self.END)
+                # the call's body so far was searched already: only its new tail can hold END
+                end = self._buffer.find(self.END, max(0, self._searched - len(self.END) + 1))
                 if end < 0:
+                    self._searched = len(self._buffer)
                     break
+                self._searched = 0
                 content += self._close(self._buffer[:end], deltas)
                 self._buffer = self._buffer[end + len(self.END) :]
                 continue
