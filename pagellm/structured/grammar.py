@@ -52,14 +52,15 @@ class GrammarCompiler:
         """``on_compiled``: called with the seconds of every compilation that ran (cache hits
         are not compilations); ``disable_any_whitespace``: for every request's JSON. The cache
         keeps at most ``cache_size`` grammars and ``cache_bytes`` of them (one constraint of the
-        64 KiB allowed can compile to tens of MB: 3,000 regex alternatives took 21 MB).
+        64 KiB allowed can compile to tens of MB: 3,000 regex alternatives took 21 MB)."""
+        import xgrammar as xgr
 
-        xgrammar is imported and its tokenizer table built on the pool (~0.6 s), so start-up
-        does not wait for it; the first compilation does."""
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="pagellm-grammar")
-        self._setup = self._pool.submit(
-            _xgrammar_compiler, hf_tokenizer, vocab_size, stop_token_ids
+        info = xgr.TokenizerInfo.from_huggingface(
+            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
         )
+        self._xgr = xgr
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="pagellm-grammar")
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
         self._cache_size = cache_size
@@ -111,7 +112,7 @@ class GrammarCompiler:
         return compiled
 
     def _build_kind(self, params: StructuredOutputsParams) -> Any:
-        c, kind = self._setup.result()[1], params.kind
+        c, kind = self._compiler, params.kind
         any_ws = not (params.disable_any_whitespace or self.disable_any_whitespace)
         if kind == "json":
             text = params.spec_text
@@ -134,27 +135,16 @@ class GrammarCompiler:
         """xgrammar's grammar of a schema, with JSON's own string characters: its rule for
         length-bounded strings excludes only the quote, backslash, CR and LF, so it lets other
         control characters through, which JSON forbids unescaped (parsers reject them)."""
-        xgr = self._setup.result()[0]
-        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+        grammar = self._xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
         text = str(grammar)
         fixed = text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
-        return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
+        return grammar if fixed == text else self._xgr.Grammar.from_ebnf(fixed)
 
     def matcher(self, compiled: Any) -> Any:
-        return self._setup.result()[0].GrammarMatcher(compiled)
+        return self._xgr.GrammarMatcher(compiled)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _xgrammar_compiler(hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
-    """xgrammar and a compiler for this tokenizer (the import and the table take ~0.6 s)."""
-    import xgrammar as xgr
-
-    info = xgr.TokenizerInfo.from_huggingface(
-        hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
-    )
-    return xgr, xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
 
 def _compiled_bytes(future: Future) -> int:
