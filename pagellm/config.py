@@ -45,6 +45,12 @@ class ModelConfig:
     awq, gptq, compressed-tensors (the checkpoint must be so), int8 (per-channel W8A16), int4
     (grouped W4A16) or fp8 (per-channel FP8 E4M3 weights, W8A16) quantizing a float checkpoint
     at load (decoder linear layers; embeddings and LM head stay in --dtype)."""
+    batch_invariant: bool = False
+    """Batch-invariant mode (vLLM's VLLM_BATCH_INVARIANT=1 as a flag): a request's tokens and
+    logprobs are bit-identical whatever else shares its steps (batch size, its place in the
+    batch, chunked prefill, prefix-cache hits, preemption, the TP all-reduce). Computes with
+    dense weights: with quantization auto a GGUF is dequantized to --dtype; a checkpoint kept
+    quantized is refused. CPU only. Holds on one machine and build, not across CPU kinds."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pagellm.config import EngineConfig, StructuredSettings, structured_settings
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.models.arch import ModelArch
@@ -21,7 +23,7 @@ def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
     structured = structured_settings(config.structured)  # and --structured-outputs-config
     max_capture_size(config.compilation, config.scheduler.max_num_seqs)  # and --compilation-config
     source = resolve_source(config.model.model)
-    files = open_model(source, config.model.quantization)
+    files = open_model(source, weight_quantization(config, source))
     arch = files.arch
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
@@ -40,13 +42,14 @@ def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
 
         executor = ParallelExecutor(
             files, config.model.dtype, dtype, config.cache, swap, config.parallel, device,
-            config.step_limits(max_len),
+            config.step_limits(max_len), config.model.batch_invariant,
         )  # fmt: skip
     else:
         executor = ModelRunner(
             files, dtype, config.cache, swap=swap, device=device,
             limits=config.step_limits(max_len), draft_files=draft_files,
             capture_max_size=max_capture_size(config.compilation, config.scheduler.max_num_seqs),
+            batch_invariant=config.model.batch_invariant,
         )  # fmt: skip
     engine = LLMEngine(
         config,
@@ -58,6 +61,16 @@ def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
         structured=structured_output_manager(structured, tokenizer, arch.vocab_size, spec),
     )
     return engine, tokenizer
+
+
+def weight_quantization(config: EngineConfig, source: Path) -> str | None:
+    """--quantization as the loader takes it: batch-invariant mode computes with dense weights,
+    so a GGUF file with quantization auto is dequantized to --dtype (what --quantization none
+    does); anything else stays as given, and a model still quantized is refused after loading."""
+    requested = config.model.quantization
+    if config.model.batch_invariant and requested in (None, "auto") and source.suffix == ".gguf":
+        return "none"
+    return requested
 
 
 def structured_output_manager(

@@ -92,6 +92,7 @@ class TorchAttentionBackend:
         prefill_kernel: PagedPrefillKernel | None = None,
         kv_format: KVCacheFormat | None = None,
         calculate_kv_scales: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
@@ -116,13 +117,22 @@ class TorchAttentionBackend:
         self.block_size = block_size
         self.dtype = dtype
         self.scale = head_dim**-0.5
+        self.batch_invariant = batch_invariant
+        """Every token is a row of the decode kernel, which reads its keys in one order set by
+        its position alone: a prefill token's attention equals the same token's decoded one,
+        whatever the chunking and the batch (``pagellm.runner.batch_invariant``)."""
+        if batch_invariant and self.decode_kernel is None:
+            raise ValueError(
+                "--batch-invariant needs the C++ decode attention kernel (a C++ compiler, on a "
+                "CPU, with float32 or bfloat16 and a plain or FP8 cache)"
+            )
 
     # Above this many (query tokens x context positions) a prefill chunk is cheaper as GEMMs.
     ROW_WISE_WORK_LIMIT = 256 * 1024
 
     def is_row_wise(self, num_tokens: int, start_pos: int) -> bool:
         """Whether a sequence's chunk goes to the row-wise path (the runner puts those first)."""
-        if num_tokens == 1:
+        if num_tokens == 1 or self.batch_invariant:
             return True
         if self.decode_kernel is None or self.prefill_kernel is not None:
             return False
@@ -316,6 +326,7 @@ class TorchAttentionBackend:
                 meta.row_context_lens,
                 out,
                 self.scale * cache.k_scale,
+                fixed_split=self.batch_invariant,
                 **self._kernel_kv_args(cache),
             )
             return out

@@ -403,12 +403,13 @@ using PartFn = void (*)(const Args&, int, int, int, int, std::vector<float>&, fl
 constexpr int SPLIT_KEYS = 256;
 constexpr int MAX_SPLIT = 64;
 
+// With fixed_split (batch-invariant mode) a pair's parts depend on its context length alone.
 template <typename T>
-void run_avx2(const Args& a, int num_threads, PartFn fn) {
+void run_avx2(const Args& a, int num_threads, PartFn fn, bool fixed_split) {
   const int group = a.num_heads / a.num_kv_heads;
   const int d = a.head_dim;
   const int pairs = a.batch * a.num_kv_heads;
-  const int want = (4 * num_threads + pairs - 1) / pairs;
+  const int want = fixed_split ? MAX_SPLIT : (4 * num_threads + pairs - 1) / pairs;
   struct Task { int pair, lo, hi, slot; };
   std::vector<Task> tasks;
   std::vector<std::pair<int, int>> slots(pairs);  // first slot, parts
@@ -531,7 +532,7 @@ void attend_pair(const Args& a, int b, int kvh, std::vector<float>& scores,
 }
 
 template <typename T, typename C>
-void run(const Args& a, int num_threads) {
+void run(const Args& a, int num_threads, bool fixed_split) {
   const int pairs = a.batch * a.num_kv_heads;
   using PairFn = void (*)(const Args&, int, int, std::vector<float>&, std::vector<float>&);
   PairFn vectorized = nullptr;
@@ -539,7 +540,7 @@ void run(const Args& a, int num_threads) {
   vectorized = pick_avx512<T, C>(a.head_dim, a.num_heads / a.num_kv_heads);
 #elif defined(__AVX2__) && defined(__FMA__)
   if (PartFn part = pick_avx2<T, C>(a.head_dim)) {
-    run_avx2<T>(a, num_threads, part);
+    run_avx2<T>(a, num_threads, part, fixed_split);
     return;
   }
 #endif
@@ -561,11 +562,11 @@ void run(const Args& a, int num_threads) {
 }
 
 template <typename T>
-int run_cache(int kv_code, const Args& a, int num_threads) {
+int run_cache(int kv_code, const Args& a, int num_threads, bool fixed_split) {
   switch (kv_code) {
-    case 0: run<T, T>(a, num_threads); return 0;
-    case 1: run<T, fp8_e4m3>(a, num_threads); return 0;
-    case 2: run<T, fp8_e5m2>(a, num_threads); return 0;
+    case 0: run<T, T>(a, num_threads, fixed_split); return 0;
+    case 1: run<T, fp8_e4m3>(a, num_threads, fixed_split); return 0;
+    case 2: run<T, fp8_e5m2>(a, num_threads, fixed_split); return 0;
     default: return 3;
   }
 }
@@ -578,11 +579,11 @@ extern "C" int paged_decode_attention(
     const void* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,
     const int32_t* context_lens, void* out, int batch, int num_heads, int num_kv_heads,
     int head_dim, int num_blocks, int block_size, int max_blocks, float scale, float v_scale,
-    int num_threads) {
+    int num_threads, int fixed_split) {
   Args a{q, k_cache, v_cache, block_tables, context_lens, out, batch, num_heads, num_kv_heads,
          head_dim, num_blocks, block_size, max_blocks, scale, v_scale};
   if (num_heads % num_kv_heads != 0) return 1;
-  if (dtype_code == 0) return run_cache<float>(kv_code, a, num_threads);
-  if (dtype_code == 1) return run_cache<uint16_t>(kv_code, a, num_threads);
+  if (dtype_code == 0) return run_cache<float>(kv_code, a, num_threads, fixed_split != 0);
+  if (dtype_code == 1) return run_cache<uint16_t>(kv_code, a, num_threads, fixed_split != 0);
   return 2;
 }

@@ -35,7 +35,7 @@ class PagedDecodeKernel:
             [ctypes.c_int] * 2
             + [ctypes.c_void_p] * 6
             + [ctypes.c_int] * 7
-            + [ctypes.c_float, ctypes.c_float, ctypes.c_int]
+            + [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int]
         )
         self._fn = fn
 
@@ -54,10 +54,13 @@ class PagedDecodeKernel:
         scale: float,
         kv_code: int = 0,
         v_scale: float = 1.0,
+        fixed_split: bool = False,
     ) -> None:
-        """q/out [B, Hq, D]; caches [Hkv, blocks, block_size, D]; int32 tables [B, max_blocks]."""
+        """q/out [B, Hq, D]; caches [Hkv, blocks, block_size, D]; int32 tables [B, max_blocks].
+        ``fixed_split``: a long context is split over threads by its length alone, never by
+        the batch (batch-invariant mode)."""
         args = _decode_args(q, k_cache, v_cache, block_tables, context_lens, out, scale, kv_code,
-                            v_scale)  # fmt: skip
+                            v_scale, fixed_split)  # fmt: skip
         rc = self._fn(*args)
         if rc != 0:
             raise RuntimeError(f"paged_decode_attention failed with code {rc}")
@@ -71,10 +74,13 @@ class PagedDecodeKernel:
         context_lens: torch.Tensor,
         out: torch.Tensor,
         scale: float,
+        fixed_split: bool = False,
     ) -> Callable[[], int]:
         """A call attending with these very buffers (captured decode steps; a cache of q's
         dtype); it returns the kernel's status (0: done)."""
-        args = _decode_args(q, k_cache, v_cache, block_tables, context_lens, out, scale, 0, 1.0)
+        args = _decode_args(
+            q, k_cache, v_cache, block_tables, context_lens, out, scale, 0, 1.0, fixed_split
+        )
         return functools.partial(self._fn, *args)
 
 
@@ -88,6 +94,7 @@ def _decode_args(
     scale: float,
     kv_code: int,
     v_scale: float,
+    fixed_split: bool = False,
 ) -> tuple:
     """The decode kernel's C arguments for these tensors, checked."""
     assert q.is_contiguous() and out.is_contiguous() and block_tables.is_contiguous()
@@ -97,7 +104,8 @@ def _decode_args(
     hkv, nb, bs, _ = k_cache.shape
     return (_DTYPE_CODES[q.dtype], kv_code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, nb,
-            bs, block_tables.shape[1], scale, v_scale, torch.get_num_threads())  # fmt: skip
+            bs, block_tables.shape[1], scale, v_scale, torch.get_num_threads(),
+            int(fixed_split))  # fmt: skip
 
 
 def load_paged_decode_kernel(extra_flags: tuple[str, ...] = ()) -> PagedDecodeKernel | None:

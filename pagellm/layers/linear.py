@@ -5,7 +5,8 @@ float32 decode steps on the few-rows kernel.
 (the path torch's own inductor takes when freezing a model) saves that work each step: ~6% on
 this model's GEMMs. In float32 a step of at most 32 tokens goes to ``SkinnyLinearKernel``,
 which streams each weight on every core (torch's GEMM reads it on one: 1.6-5x slower here);
-larger steps keep ``F.linear``.
+larger steps keep ``F.linear``. In batch-invariant mode every step goes to
+``InvariantLinearKernel`` over a weight packed for it (the plain weight is then released).
 """
 
 from __future__ import annotations
@@ -14,12 +15,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.kernels.invariant_linear import InvariantLinearKernel, PackedWeight, pack_weight
 from pagellm.kernels.skinny_linear import SkinnyLinearKernel
 
 
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     skinny: SkinnyLinearKernel | None = None
+    invariant: tuple[InvariantLinearKernel, PackedWeight] | None = None
+
+    def use_invariant(self, kernel: InvariantLinearKernel, release_weight: bool) -> None:
+        """Compute with the batch-invariant kernel from now on; ``release_weight`` frees the
+        plain weight (not when another module shares it, as a tied embedding)."""
+        packed = pack_weight(self.weight, self.bias)
+        self.invariant = (kernel, packed)
+        self.register_buffer("invariant_weight", packed.data, persistent=False)
+        self.packed = self.skinny = None
+        if release_weight:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def pack(self, batch_hint: int = 256) -> bool:
         """Pack the weight for oneDNN; returns False where packing does not apply."""
@@ -36,6 +49,9 @@ class Linear(nn.Linear):
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant is not None:
+            kernel, packed = self.invariant
+            return kernel(x, packed)
         if self.skinny is not None and self.skinny.applies(x, self.weight):
             return self.skinny(x, self.weight, self.bias)
         if self.packed is None:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.kernels.decode_ops import DTYPE_CODES, DecodeOps
 from pagellm.layers.linear import Linear, pack_linears
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.quant_linear import QuantEmbedding, QuantLinear, QuantPart
@@ -130,10 +131,23 @@ class MLP(nn.Module):
         down = [(f"{prefix}.down_proj.weight", arch.hidden_size)]
         full = arch.intermediate_size
         self.down_proj = make_linear(self.intermediate, down, False, quant, full)
+        self.row_ops: DecodeOps | None = None
+        """SiLU-and-multiply by the captured steps' C++ op (batch-invariant mode)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.comm.all_reduce(self.down_proj(F.silu(gate) * up))
+        gate_up = self.gate_up_proj(x)
+        if self.row_ops is not None:  # batch-invariant: the captured steps' own op
+            gate_up = gate_up.contiguous()
+            act = torch.empty(gate_up.shape[0], self.intermediate, dtype=gate_up.dtype)
+            rc = self.row_ops.silu_mul(DTYPE_CODES[act.dtype], gate_up.data_ptr(),
+                                       act.data_ptr(), act.shape[0], self.intermediate,
+                                       torch.get_num_threads())  # fmt: skip
+            if rc != 0:
+                raise RuntimeError(f"decode_silu_mul failed with code {rc}")
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            act = F.silu(gate) * up
+        return self.comm.all_reduce(self.down_proj(act))
 
 
 class DecoderLayer(nn.Module):

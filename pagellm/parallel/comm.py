@@ -75,6 +75,8 @@ class Collectives:
         self.store = store  # kept alive as long as the groups made from it
         self.world = None
         self.tp = None
+        self.fixed_order = False
+        """All-reduce sums in rank order (``all_reduce``); set by batch-invariant mode."""
 
         def group(prefix: str, rank: int, size: int):
             if self.device.type == "cuda":
@@ -110,9 +112,19 @@ class Collectives:
     # ----- tensor parallel ------------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over the TP group, in place (bf16 is summed in float32 and cast back)."""
+        """Sum over the TP group, in place (bf16 is summed in float32 and cast back). With
+        ``fixed_order`` (batch-invariant mode) every element is summed in rank order: a ring
+        all-reduce starts each element's sum at a rank set by where the element falls in the
+        tensor, so by the tensor's size (the batch)."""
         if self.tp is None:
             return x
+        if self.fixed_order:
+            parts = [torch.empty_like(x) for _ in range(self.layout.tp_size)]
+            self._wait(self.tp.allgather([parts], [x.contiguous()]), "all-gather")
+            total = parts[0].float()
+            for part in parts[1:]:
+                total += part.float()
+            return x.copy_(total)
         wide = x.float() if x.dtype == torch.bfloat16 else x
         self._wait(self.tp.allreduce([wide]), "all-reduce")
         if wide is not x:

@@ -34,6 +34,7 @@ class ParallelExecutor:
         parallel: ParallelConfig,
         device: torch.device | None = None,
         limits: StepLimits | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         device = device or torch.device("cpu")
         limits = limits or StepLimits()
@@ -56,7 +57,7 @@ class ParallelExecutor:
                 microbatches=microbatches,
                 own_host=host,  # a Ray worker rank replaces it with its own node's address
                 device=device.type, device_index=rank, limits=limits,
-                quantization=files.quant.method,
+                quantization=files.quant.method, batch_invariant=batch_invariant,
             )
             for rank in range(1, world)
         ]  # fmt: skip
@@ -64,7 +65,10 @@ class ParallelExecutor:
         try:
             torch.set_num_threads(threads)  # rank 0 shares the cores with its workers
             comm = Collectives(RankLayout(tp, pp, 0), self.store, timeout, host, device)
-            self.runner = ModelRunner(files, dtype, cache, swap, comm, microbatches, device, limits)
+            self.runner = ModelRunner(
+                files, dtype, cache, swap, comm, microbatches, device, limits,
+                batch_invariant=batch_invariant,
+            )  # fmt: skip
             own = report_of(0, self.runner, _node_id() if on_ray else "local")
             self.reports = [own, *self.ranks.reports()]
         except BaseException as exc:

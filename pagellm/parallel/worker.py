@@ -44,6 +44,8 @@ class WorkerSpec:
     limits: StepLimits = StepLimits()
     quantization: str | None = None
     """``--quantization`` as given (each rank resolves it against the same checkpoint)."""
+    batch_invariant: bool = False
+    """``--batch-invariant``: every rank computes with the batch-invariant kernels."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +105,11 @@ def build_runner(spec: WorkerSpec):
     files = open_model(Path(spec.model_source), spec.quantization)
     cls = runner_class(spec.worker_cls)
     dtype = resolve_dtype(spec.dtype, device)
-    return cls(files, dtype, spec.cache, spec.swap, comm, spec.microbatches, device, spec.limits)
+    if not spec.batch_invariant:
+        return cls(files, dtype, spec.cache, spec.swap, comm, spec.microbatches, device,
+                   spec.limits)  # fmt: skip
+    return cls(files, dtype, spec.cache, spec.swap, comm, spec.microbatches, device, spec.limits,
+               batch_invariant=True)  # fmt: skip
 
 
 def report_of(rank: int, runner, node: str = "local") -> WorkerReport:

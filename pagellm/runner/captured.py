@@ -234,6 +234,7 @@ class CapturedDecoder:
         attend = self.backend.decode_kernel.bind(
             acts.q[:b].view(b, hq, d), k, v, inputs.block_tables[:b], inputs.context_lens[:b],
             acts.attn[:b].view(b, hq, d), self.backend.scale * cache.k_scale,
+            self.backend.batch_invariant,
         )  # fmt: skip
         return [
             self._linear(attn.qkv_proj, acts.normed[:b], acts.qkv[:b]),

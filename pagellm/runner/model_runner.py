@@ -35,6 +35,7 @@ from pagellm.layers.linear import use_skinny_linears
 from pagellm.layers.quant_linear import quant_tensors, use_quant_kernel
 from pagellm.models.arch import ModelArch
 from pagellm.parallel.comm import Collectives
+from pagellm.runner.batch_invariant import make_batch_invariant
 from pagellm.runner.captured import CapturedDecoder, unsupported_reason
 from pagellm.runner.device import gpu_kv_budget
 from pagellm.runner.draft import DraftModel, Proposals
@@ -121,6 +122,7 @@ def _backend(
     cache: CacheConfig,
     dtype: torch.dtype,
     device: torch.device,
+    batch_invariant: bool = False,
 ) -> TorchAttentionBackend:
     return TorchAttentionBackend(
         num_heads,
@@ -133,12 +135,22 @@ def _backend(
         prefill_kernel=_prefill_kernel(device),
         kv_format=kv_cache_format(cache.kv_cache_dtype),
         calculate_kv_scales=cache.calculate_kv_scales,
+        batch_invariant=batch_invariant,
     )
 
 
-def _load(files: ModelFiles, dtype: torch.dtype, backend, comm, device: torch.device):
+def _load(
+    files: ModelFiles,
+    dtype: torch.dtype,
+    backend,
+    comm,
+    device: torch.device,
+    batch_invariant: bool = False,
+):
     model = load_model(files, dtype, backend, comm, device)
-    if device.type == "cpu":
+    if batch_invariant:
+        make_batch_invariant(model, comm)
+    elif device.type == "cpu":
         use_skinny_linears(model, load_skinny_linear_kernel())
         use_quant_kernel(model, load_quant_linear_kernel())
     return model
@@ -166,12 +178,17 @@ class ModelRunner:
         limits: StepLimits | None = None,
         draft_files: ModelFiles | None = None,
         capture_max_size: int = 0,
+        batch_invariant: bool = False,
     ) -> None:
         """``draft_files``: the draft model of draft-model speculative decoding (one rank);
         ``capture_max_size``: decode steps of up to this many sequences run captured (0:
-        none, see ``pagellm.runner.captured``)."""
+        none, see ``pagellm.runner.captured``); ``batch_invariant``: see
+        ``pagellm.runner.batch_invariant``."""
         arch = files.arch
         self.device = device = device or torch.device("cpu")
+        if batch_invariant and device.type != "cpu":
+            raise ValueError("--batch-invariant runs on the CPU (not on a GPU yet)")
+        self.batch_invariant = batch_invariant
         if device.type == "cpu":
             keep_heap_memory()
         self.arch = arch
@@ -186,16 +203,17 @@ class ModelRunner:
             cache,
             dtype,
             device,
+            batch_invariant,
         )
-        self.model = _load(files, dtype, self.backend, comm, device)
+        self.model = _load(files, dtype, self.backend, comm, device, batch_invariant)
         draft_arch = draft_files.arch if draft_files is not None else None
         draft_backend = draft_model = None
         if draft_arch is not None:
             draft_backend = _backend(
                 draft_arch.num_heads, draft_arch.num_kv_heads, draft_arch.head_dim, cache, dtype,
-                device,
+                device, batch_invariant,
             )  # fmt: skip
-            draft_model = _load(draft_files, dtype, draft_backend, None, device)
+            draft_model = _load(draft_files, dtype, draft_backend, None, device, batch_invariant)
         layers = layout.layers(arch.num_layers).count
         budget = None
         if device.type == "cuda" and cache.num_gpu_blocks_override is None:
@@ -300,6 +318,10 @@ class ModelRunner:
         weights.update(
             {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
         )
+        packed = [
+            m.invariant_weight for m in self.model.modules() if hasattr(m, "invariant_weight")
+        ]
+        weights.update({p.data_ptr(): p.numel() * p.element_size() for p in packed})
         kv = sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer)
         return {"weights": sum(weights.values()), "kv_cache": kv}
 
