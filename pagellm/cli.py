@@ -444,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks that write JSON and print a table")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from pagellm.bench import (
+        batch_invariant,
         console,
         long_prompt,
         quantization,
@@ -462,6 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     step_profile.add_parser(bench_sub)
     structured.add_parser(bench_sub)
     console.add_parser(bench_sub)
+    batch_invariant.add_parser(bench_sub)
     return parser
 
 

@@ -116,3 +116,23 @@ def test_a_gpu_rank_that_raises_or_hangs_fails_the_request(tiny_models, worker_c
             llm.generate(["again"], GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
+
+
+def test_batch_invariant_mode_on_the_gpu(tiny_models):
+    """--batch-invariant on CUDA (Triton linear layers and norm, every token through the
+    Triton prefill kernel): each request's ids and logprobs alone equal those in a batch of
+    mixed requests with chunked prefill, prefix hits and preemption."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    settings = {**ENGINE, "dtype": "bfloat16", "device": "cuda", "batch_invariant": True}
+
+    def answer(out):
+        comp = out.outputs[0]
+        return comp.token_ids, [(lp.logprob, tuple(lp.top)) for lp in comp.logprobs]
+
+    with LLM(str(tiny_models("llama")), **settings) as llm:
+        alone = [answer(llm.generate([p], params, use_tqdm=False)[0]) for p in MIXED_PROMPTS]
+        batch = llm.generate(MIXED_PROMPTS * 4, params, use_tqdm=False)
+        stats = llm.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    for i, out in enumerate(batch):
+        assert answer(out) == alone[i % len(MIXED_PROMPTS)], i

@@ -118,13 +118,17 @@ class TorchAttentionBackend:
         self.dtype = dtype
         self.scale = head_dim**-0.5
         self.batch_invariant = batch_invariant
-        """Every token is a row of the decode kernel, which reads its keys in one order set by
-        its position alone: a prefill token's attention equals the same token's decoded one,
-        whatever the chunking and the batch (``pagellm.runner.batch_invariant``)."""
-        if batch_invariant and self.decode_kernel is None:
+        """Every token goes through one kernel that reads its keys in an order set by its
+        position alone (on a CPU each token a row of the decode kernel, on a GPU a query of
+        the Triton prefill kernel): a prefill token's attention equals the same token's decoded
+        one, whatever the chunking and the batch (``pagellm.runner.batch_invariant``)."""
+        if (
+            batch_invariant
+            and (self.prefill_kernel if self.fused_sdpa else self.decode_kernel) is None
+        ):
             raise ValueError(
-                "--batch-invariant needs the C++ decode attention kernel (a C++ compiler, on a "
-                "CPU, with float32 or bfloat16 and a plain or FP8 cache)"
+                "--batch-invariant needs the C++ decode attention kernel on a CPU (a C++ "
+                "compiler) or the Triton prefill kernel on a GPU, for this dtype and KV cache"
             )
 
     # Above this many (query tokens x context positions) a prefill chunk is cheaper as GEMMs.
@@ -132,7 +136,9 @@ class TorchAttentionBackend:
 
     def is_row_wise(self, num_tokens: int, start_pos: int) -> bool:
         """Whether a sequence's chunk goes to the row-wise path (the runner puts those first)."""
-        if num_tokens == 1 or self.batch_invariant:
+        if self.batch_invariant:
+            return not self.fused_sdpa  # a CPU's decode kernel; a GPU's prefill kernel
+        if num_tokens == 1:
             return True
         if self.decode_kernel is None or self.prefill_kernel is not None:
             return False

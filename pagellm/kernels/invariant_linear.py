@@ -69,6 +69,10 @@ class InvariantLinearKernel:
         self.path = best if path is None else path
         """The bf16 path (2 AMX, 1 AVX-512 BF16, 0 float32 FMA); float32 always takes 0."""
 
+    @staticmethod
+    def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
+        return pack_weight(weight, bias)
+
     @property
     def path_name(self) -> str:
         return PATH_NAMES[self.path]

@@ -11,23 +11,26 @@ larger steps keep ``F.linear``. In batch-invariant mode every step goes to
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels.invariant_linear import InvariantLinearKernel, PackedWeight, pack_weight
 from pagellm.kernels.skinny_linear import SkinnyLinearKernel
 
 
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     skinny: SkinnyLinearKernel | None = None
-    invariant: tuple[InvariantLinearKernel, PackedWeight] | None = None
+    invariant: tuple[Any, Any] | None = None
+    """(kernel, its packed weight) in batch-invariant mode (``pagellm.runner.batch_invariant``)."""
 
-    def use_invariant(self, kernel: InvariantLinearKernel, release_weight: bool) -> None:
-        """Compute with the batch-invariant kernel from now on; ``release_weight`` frees the
-        plain weight (not when another module shares it, as a tied embedding)."""
-        packed = pack_weight(self.weight, self.bias)
+    def use_invariant(self, kernel: Any, release_weight: bool) -> None:
+        """Compute with a batch-invariant kernel from now on (``kernel.pack`` lays the weight
+        out for it); ``release_weight`` frees the plain weight (not when another module shares
+        it, as a tied embedding)."""
+        packed = kernel.pack(self.weight, self.bias)
         self.invariant = (kernel, packed)
         self.register_buffer("invariant_weight", packed.data, persistent=False)
         self.packed = self.skinny = None

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels.decode_ops import DTYPE_CODES, DecodeOps
 from pagellm.layers.linear import Linear, pack_linears
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.quant_linear import QuantEmbedding, QuantLinear, QuantPart
@@ -131,19 +130,13 @@ class MLP(nn.Module):
         down = [(f"{prefix}.down_proj.weight", arch.hidden_size)]
         full = arch.intermediate_size
         self.down_proj = make_linear(self.intermediate, down, False, quant, full)
-        self.row_ops: DecodeOps | None = None
-        """SiLU-and-multiply by the captured steps' C++ op (batch-invariant mode)."""
+        self.row_ops: Any = None
+        """Batch-invariant mode's SiLU-and-multiply (``pagellm.runner.batch_invariant``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.row_ops is not None:  # batch-invariant: the captured steps' own op
-            gate_up = gate_up.contiguous()
-            act = torch.empty(gate_up.shape[0], self.intermediate, dtype=gate_up.dtype)
-            rc = self.row_ops.silu_mul(DTYPE_CODES[act.dtype], gate_up.data_ptr(),
-                                       act.data_ptr(), act.shape[0], self.intermediate,
-                                       torch.get_num_threads())  # fmt: skip
-            if rc != 0:
-                raise RuntimeError(f"decode_silu_mul failed with code {rc}")
+        if self.row_ops is not None:  # batch-invariant: see pagellm.runner.batch_invariant
+            act = self.row_ops.silu_mul(gate_up, self.intermediate)
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             act = F.silu(gate) * up

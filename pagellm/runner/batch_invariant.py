@@ -17,6 +17,10 @@ What varies with the batch in the default mode, and what this mode puts in its p
 The sampler already works row by row (softmax, log-softmax, top-k/top-p sorts, per-request
 seeded generators), and embeddings and rotary are exact element-wise ops.
 
+On a GPU the same switch takes Triton kernels with fixed tiles (``pagellm.kernels.
+triton_invariant``: the linear layers and RMSNorm) and sends every token, decodes included, to the
+Triton prefill kernel, whose key tiles start at position 0 in every call.
+
 The guarantee holds on one machine with one build: another CPU kind takes another kernel path
 (AMX vs AVX-512 BF16 vs FMA) and another library version may round differently.
 """
@@ -25,9 +29,11 @@ from __future__ import annotations
 
 import logging
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels.decode_ops import load_decode_ops
+from pagellm.kernels.decode_ops import DTYPE_CODES, DecodeOps, load_decode_ops
 from pagellm.kernels.invariant_linear import load_invariant_linear_kernel
 from pagellm.layers.linear import Linear
 from pagellm.layers.norm import RMSNorm
@@ -37,9 +43,53 @@ from pagellm.parallel.comm import Collectives
 log = logging.getLogger(__name__)
 
 
-def make_batch_invariant(model: nn.Module, comm: Collectives | None = None) -> str:
-    """Switch ``model`` (loaded, on the CPU) to batch-invariant kernels; returns the linear
-    kernel's path name. Raises ValueError where the mode cannot hold."""
+class CpuRowOps:
+    """RMSNorm and SiLU-and-multiply by the C++ ops of captured decode steps, row by row."""
+
+    def __init__(self, ops: DecodeOps) -> None:
+        self.ops = ops
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        hidden = x.shape[-1]
+        rows = x.reshape(-1, hidden).contiguous()
+        out = torch.empty_like(rows)
+        weight = weight if weight.dtype == x.dtype else weight.to(x.dtype)
+        rc = self.ops.add_rms_norm(DTYPE_CODES[x.dtype], rows.data_ptr(), None, weight.data_ptr(),
+                                   out.data_ptr(), rows.shape[0], hidden, eps,
+                                   torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"decode_add_rms_norm failed with code {rc}")
+        return out.view(x.shape)
+
+    def silu_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+        gate_up = gate_up.contiguous()
+        act = torch.empty(gate_up.shape[0], intermediate, dtype=gate_up.dtype)
+        rc = self.ops.silu_mul(DTYPE_CODES[act.dtype], gate_up.data_ptr(), act.data_ptr(),
+                               act.shape[0], intermediate, torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"decode_silu_mul failed with code {rc}")
+        return act
+
+
+class TritonRowOps:
+    """RMSNorm in Triton, one program per row; SiLU-and-multiply is element-wise (the same bits
+    in any batch) and stays torch's."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        from pagellm.kernels.triton_invariant import triton_rms_norm
+
+        return triton_rms_norm(x, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+        gate, up = gate_up.split(intermediate, dim=-1)
+        return F.silu(gate) * up
+
+
+def make_batch_invariant(
+    model: nn.Module, comm: Collectives | None = None, device: torch.device | None = None
+) -> str:
+    """Switch ``model`` (loaded) to batch-invariant kernels; returns the linear kernel's name.
+    Raises ValueError where the mode cannot hold."""
     quantized = [n for n, m in model.named_modules() if isinstance(m, QuantPart | QuantEmbedding)]
     if quantized:
         raise ValueError(
@@ -47,18 +97,29 @@ def make_batch_invariant(model: nn.Module, comm: Collectives | None = None) -> s
             f"{quantized[0]} quantized (use --quantization none for a GGUF file, or a dense "
             "checkpoint)"
         )
-    kernel = load_invariant_linear_kernel()
-    ops = load_decode_ops()
-    if kernel is None or ops is None:
-        raise ValueError("--batch-invariant needs the C++ CPU kernels, which did not build")
+    kernel, row_ops = _kernels(device or torch.device("cpu"))
     embedding = getattr(model, "embed_tokens", None)
     shared = {id(embedding.weight)} if embedding is not None else set()
     for module in model.modules():
         if isinstance(module, Linear):
             module.use_invariant(kernel, release_weight=id(module.weight) not in shared)
         elif isinstance(module, RMSNorm) or hasattr(module, "row_ops"):
-            module.row_ops = ops  # the norms and the MLP's SiLU-and-multiply
+            module.row_ops = row_ops  # the norms and the MLP's SiLU-and-multiply
     if comm is not None:
         comm.fixed_order = True
     log.info("batch-invariant mode: linear layers on the %s path", kernel.path_name)
     return kernel.path_name
+
+
+def _kernels(device: torch.device):
+    if device.type == "cuda":
+        from pagellm.kernels.triton_invariant import TritonInvariantLinear, triton_available
+
+        if not triton_available():
+            raise ValueError("--batch-invariant on a GPU needs Triton")
+        return TritonInvariantLinear(), TritonRowOps()
+    kernel = load_invariant_linear_kernel()
+    ops = load_decode_ops()
+    if kernel is None or ops is None:
+        raise ValueError("--batch-invariant needs the C++ CPU kernels, which did not build")
+    return kernel, CpuRowOps(ops)

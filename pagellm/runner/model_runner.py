@@ -149,7 +149,7 @@ def _load(
 ):
     model = load_model(files, dtype, backend, comm, device)
     if batch_invariant:
-        make_batch_invariant(model, comm)
+        make_batch_invariant(model, comm, device)
     elif device.type == "cpu":
         use_skinny_linears(model, load_skinny_linear_kernel())
         use_quant_kernel(model, load_quant_linear_kernel())
@@ -186,8 +186,6 @@ class ModelRunner:
         ``pagellm.runner.batch_invariant``."""
         arch = files.arch
         self.device = device = device or torch.device("cpu")
-        if batch_invariant and device.type != "cpu":
-            raise ValueError("--batch-invariant runs on the CPU (not on a GPU yet)")
         self.batch_invariant = batch_invariant
         if device.type == "cpu":
             keep_heap_memory()
