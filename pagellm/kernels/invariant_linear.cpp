@@ -14,13 +14,15 @@
 //   fp32: [N/16][K][16].
 // Paths (one per machine; results are the same for every batch on a machine, not across paths):
 //   2  AMX (Xeon Sapphire Rapids and later): 16x16 fp32 tiles, TDPBF16PS over 32 inputs a step;
-//   1  AVX-512 BF16 (Zen 4 / Zen 5, Cooper Lake): VDPBF16PS, 16 columns a vector;
+//   1  AVX-512 BF16 (Zen 4 / Zen 5, Cooper Lake): VDPBF16PS, 16 columns a vector, 8 rows x 32
+//      columns of accumulators;
 //   0  any CPU: FMA in float32 (explicit fused multiply-adds, so vectorization cannot reorder).
 // bf16 inputs may take any path (the tests run every path on one machine); fp32 takes path 0.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <immintrin.h>
@@ -84,6 +86,16 @@ inline void my_blocks(int blocks, int t, int threads, int& lo, int& hi) {
   hi = lo + base + (t < extra ? 1 : 0);
 }
 
+// Rows [mc, mc + MCHUNK) of x and out as a call of their own.
+inline Args chunk_of(const Args& a, int mc) {
+  Args part = a;
+  const int64_t elem = a.dtype == 0 ? 4 : 2;
+  part.m = std::min(MCHUNK, a.m - mc);
+  part.x = static_cast<const char*>(a.x) + mc * (a.dtype == 0 ? a.k : a.kp) * elem;
+  part.out = static_cast<char*>(a.out) + mc * static_cast<int64_t>(a.n) * elem;
+  return part;
+}
+
 // ----- path 0: float32 FMAs, any CPU ---------------------------------------------------------
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -113,44 +125,33 @@ inline v16 fma16(v16 a, v16 b, v16 c) {
 
 inline v16 splat(float v) { return v16{} + v; }
 
-// R rows x one block of 16 columns, fp32 weights [K][16].
-template <int R>
-void rows_fp32(const Args& a, int m0, int blk) {
-  const float* x = static_cast<const float*>(a.x);
-  const float* w = static_cast<const float*>(a.w) + static_cast<int64_t>(blk) * a.kp * NB;
+// R rows x one block of 16 columns. float: weights [K][16], one FMA per input; bf16: VNNI-pair
+// weights, two FMAs per pair (element 0, then 1), every value widened to float32 exactly.
+template <typename T, int R>
+void rows_fma(const Args& a, int m0, int blk) {
+  const T* x = static_cast<const T*>(a.x);
+  const T* w = static_cast<const T*>(a.w) + static_cast<int64_t>(blk) * a.kp * NB;
   v16 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = v16{};
-  for (int kk = 0; kk < a.k; ++kk) {
-    v16 wv;
-    std::memcpy(&wv, w + static_cast<int64_t>(kk) * NB, 64);
-    for (int r = 0; r < R; ++r)
-      acc[r] = fma16(splat(x[static_cast<int64_t>(m0 + r) * a.k + kk]), wv, acc[r]);
-  }
-  const int cols = std::min(NB, a.n - blk * NB);
-  for (int r = 0; r < R; ++r) {
-    float tmp[NB];
-    std::memcpy(tmp, &acc[r], 64);
-    store_any(a, tmp, m0 + r, blk * NB, cols);
-  }
-}
-
-// R rows x one block of 16 columns, bf16 VNNI-pair weights, float32 FMAs (pair element 0, then 1).
-template <int R>
-void rows_bf16_fma(const Args& a, int m0, int blk) {
-  const uint16_t* x = static_cast<const uint16_t*>(a.x);
-  const uint16_t* w = static_cast<const uint16_t*>(a.w) + static_cast<int64_t>(blk) * a.kp * NB;
-  v16 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = v16{};
-  const u16x hi_mask = u16x{} + 0xFFFF0000u;
-  for (int kk = 0; kk < a.kp / 2; ++kk) {
-    u16x raw;
-    std::memcpy(&raw, w + static_cast<int64_t>(kk) * 2 * NB, 64);
-    const v16 w0 = reinterpret_cast<v16>(raw << 16);
-    const v16 w1 = reinterpret_cast<v16>(raw & hi_mask);
-    for (int r = 0; r < R; ++r) {
-      const uint16_t* xr = x + static_cast<int64_t>(m0 + r) * a.kp + 2 * kk;
-      acc[r] = fma16(splat(bf16_to_float(xr[0])), w0, acc[r]);
-      acc[r] = fma16(splat(bf16_to_float(xr[1])), w1, acc[r]);
+  if constexpr (std::is_same_v<T, float>) {
+    for (int kk = 0; kk < a.k; ++kk) {
+      v16 wv;
+      std::memcpy(&wv, w + static_cast<int64_t>(kk) * NB, 64);
+      for (int r = 0; r < R; ++r)
+        acc[r] = fma16(splat(x[static_cast<int64_t>(m0 + r) * a.k + kk]), wv, acc[r]);
+    }
+  } else {
+    const u16x hi_mask = u16x{} + 0xFFFF0000u;
+    for (int kk = 0; kk < a.kp / 2; ++kk) {
+      u16x raw;
+      std::memcpy(&raw, w + static_cast<int64_t>(kk) * 2 * NB, 64);
+      const v16 w0 = reinterpret_cast<v16>(raw << 16);
+      const v16 w1 = reinterpret_cast<v16>(raw & hi_mask);
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* xr = x + static_cast<int64_t>(m0 + r) * a.kp + 2 * kk;
+        acc[r] = fma16(splat(bf16_to_float(xr[0])), w0, acc[r]);
+        acc[r] = fma16(splat(bf16_to_float(xr[1])), w1, acc[r]);
+      }
     }
   }
   const int cols = std::min(NB, a.n - blk * NB);
@@ -160,11 +161,6 @@ void rows_bf16_fma(const Args& a, int m0, int blk) {
     store_any(a, tmp, m0 + r, blk * NB, cols);
   }
 }
-
-template <int R>
-void fp32_r(const Args& a, int m0, int blk) { rows_fp32<R>(a, m0, blk); }
-template <int R>
-void bf16_r(const Args& a, int m0, int blk) { rows_bf16_fma<R>(a, m0, blk); }
 
 constexpr int RMAX = 4;
 
@@ -182,16 +178,12 @@ void run_path0(const Args& a, int threads) {
     int lo, hi;
     my_blocks(blocks, omp_get_thread_num(), omp_get_num_threads(), lo, hi);
     for (int mc = 0; mc < a.m; mc += MCHUNK) {
-      Args part = a;
-      part.m = std::min(MCHUNK, a.m - mc);
-      part.x = static_cast<const char*>(a.x) +
-               static_cast<int64_t>(mc) * (a.dtype == 0 ? a.k * 4 : a.kp * 2);
-      part.out = static_cast<char*>(a.out) + static_cast<int64_t>(mc) * a.n * (a.dtype == 0 ? 4 : 2);
+      const Args part = chunk_of(a, mc);
       for (int blk = lo; blk < hi; ++blk) {
         if (a.dtype == 0) {
-          sweep<fp32_r<RMAX>, fp32_r<1>>(part, blk);
+          sweep<rows_fma<float, RMAX>, rows_fma<float, 1>>(part, blk);
         } else {
-          sweep<bf16_r<RMAX>, bf16_r<1>>(part, blk);
+          sweep<rows_fma<uint16_t, RMAX>, rows_fma<uint16_t, 1>>(part, blk);
         }
       }
     }
@@ -201,43 +193,62 @@ void run_path0(const Args& a, int threads) {
 // ----- path 1: AVX-512 BF16 dot products -----------------------------------------------------
 
 #if defined(__AVX512BF16__)
-template <int R>
+// R rows x C (1 or 2) column blocks from blk: C x R accumulators, each weight vector loaded once
+// for the R rows; every element still sums its pairs from kk = 0 up, whatever R and C are.
+template <int R, int C>
 void rows_dpbf16(const Args& a, int m0, int blk) {
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
-  const uint16_t* w = static_cast<const uint16_t*>(a.w) + static_cast<int64_t>(blk) * a.kp * NB;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t blk_elems = static_cast<int64_t>(a.kp) * NB;
+  const uint16_t* w = static_cast<const uint16_t*>(a.w) + blk * blk_elems;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int kk = 0; kk < a.kp / 2; ++kk) {
-    const __m512bh wv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + static_cast<int64_t>(kk) * 2 * NB));
+    __m512bh wv[C];
+    for (int c = 0; c < C; ++c)
+      wv[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + c * blk_elems + static_cast<int64_t>(kk) * 2 * NB));
     for (int r = 0; r < R; ++r) {
       uint32_t pair;
       std::memcpy(&pair, x + static_cast<int64_t>(m0 + r) * a.kp + 2 * kk, 4);
       const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
-      acc[r] = _mm512_dpbf16_ps(acc[r], xv, wv);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
     }
   }
-  const int cols = std::min(NB, a.n - blk * NB);
-  for (int r = 0; r < R; ++r) {
-    float tmp[NB];
-    _mm512_storeu_ps(tmp, acc[r]);
-    store_any(a, tmp, m0 + r, blk * NB, cols);
+  for (int c = 0; c < C; ++c) {
+    const int cols = std::min(NB, a.n - (blk + c) * NB);
+    for (int r = 0; r < R; ++r) {
+      float tmp[NB];
+      _mm512_storeu_ps(tmp, acc[r][c]);
+      store_any(a, tmp, m0 + r, (blk + c) * NB, cols);
+    }
   }
 }
-template <int R>
-void dp_r(const Args& a, int m0, int blk) { rows_dpbf16<R>(a, m0, blk); }
+
+constexpr int RDP = 8;  // rows per register tile: 2 x 8 accumulators, 2 weight vectors
+
+template <int C>
+void sweep_dp(const Args& a, int blk) {
+  int m0 = 0;
+  for (; m0 + RDP <= a.m; m0 += RDP) rows_dpbf16<RDP, C>(a, m0, blk);
+  for (; m0 < a.m; ++m0) rows_dpbf16<1, C>(a, m0, blk);
+}
 
 void run_path1(const Args& a, int threads) {
   const int blocks = (a.n + NB - 1) / NB;
+  const int pairs = (blocks + 1) / 2;
 #pragma omp parallel num_threads(threads)
   {
     int lo, hi;
-    my_blocks(blocks, omp_get_thread_num(), omp_get_num_threads(), lo, hi);
+    my_blocks(pairs, omp_get_thread_num(), omp_get_num_threads(), lo, hi);
     for (int mc = 0; mc < a.m; mc += MCHUNK) {
-      Args part = a;
-      part.m = std::min(MCHUNK, a.m - mc);
-      part.x = static_cast<const uint16_t*>(a.x) + static_cast<int64_t>(mc) * a.kp;
-      part.out = static_cast<uint16_t*>(a.out) + static_cast<int64_t>(mc) * a.n;
-      for (int blk = lo; blk < hi; ++blk) sweep<dp_r<RMAX>, dp_r<1>>(part, blk);
+      const Args part = chunk_of(a, mc);
+      for (int p = lo; p < hi; ++p) {
+        if (2 * p + 1 < blocks) {
+          sweep_dp<2>(part, 2 * p);
+        } else {
+          sweep_dp<1>(part, 2 * p);
+        }
+      }
     }
   }
 }
