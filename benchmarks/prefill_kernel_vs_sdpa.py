@@ -7,6 +7,7 @@ prompt, a boolean mask after a prefix). Prints a table headed by the CPU and wri
 how the default prefill path was chosen on a CPU kind (keep what is faster).
 
     python benchmarks/prefill_kernel_vs_sdpa.py --output-json results/prefill_vs_sdpa.json
+    python benchmarks/prefill_kernel_vs_sdpa.py --no-amx   # the vector path on an AMX CPU
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--no-amx", action="store_true", help="keep pagellm's bf16 calls on its vector path"
+    )
     p.add_argument("--output-json", default=None)
     return p.parse_args(argv)
 
@@ -89,7 +93,7 @@ def one_shape(kernel, args, dtype: torch.dtype, start: int, n: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    kernel = load_paged_prefill_kernel()
+    kernel = load_paged_prefill_kernel(allow_amx=not args.no_amx)
     if kernel is None:
         print("the C++ kernel did not build (is g++ installed?)", file=sys.stderr)
         return 1
@@ -98,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         for dt in args.dtypes.split(",")
         for start, n in SHAPES
     ]
-    env = environment()
+    env = {**environment(), "pagellm_bf16_path": "AMX" if kernel.has_amx and kernel.allow_amx
+           else "vector"}  # fmt: skip
     table = format_table(
         ["dtype", "prefix", "chunk", "pagellm ms", "SDPA ms", "pagellm GF/s", "SDPA GF/s", "x"],
         [
@@ -108,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows
         ],
     )  # fmt: skip
-    print(cpu_line(env))
+    print(cpu_line(env) + f"; pagellm's bf16 path: {env['pagellm_bf16_path']}")
     print(table)
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:

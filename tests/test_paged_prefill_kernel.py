@@ -83,11 +83,17 @@ def _run_case(kernel, dtype, hkv, group, d, block_size, chunks, seed, kv="auto")
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
 
 
-@pytest.fixture(scope="module", params=[8, 16], ids=["8-lanes", "16-lanes"])
+@pytest.fixture(
+    scope="module",
+    params=[(8, True), (16, True), (16, False)],
+    ids=["8-lanes", "16-lanes", "16-lanes-no-amx"],
+)
 def kernel(request):
-    built = load_paged_prefill_kernel(vector_width=request.param)
+    """Both vector widths; where the CPU has AMX, bf16 calls take it unless turned off."""
+    width, amx = request.param
+    built = load_paged_prefill_kernel(vector_width=width, allow_amx=amx)
     assert built is not None, "the C++ kernel must build on this machine (g++ is required)"
-    assert built.vector_width == request.param
+    assert built.vector_width == width
     return built
 
 
@@ -158,3 +164,23 @@ def test_fp8_cache(kernel, kv, dtype, hkv, group, d):
     """An FP8 cache read through the block table, scales folded in; with a split item."""
     chunks = [(0, 33), (41, 1), (37, 17), (1100, 3)]
     _run_case(kernel, dtype, hkv, group, d, 5, chunks, seed=d + group, kv=kv)
+
+
+def test_amx_path_is_taken_where_the_cpu_has_it():
+    """On an AMX CPU a bf16 prefill runs on tiles: other bits than the vector path, the same
+    answer within bf16 tolerance (both checked against the reference above)."""
+    amx = load_paged_prefill_kernel(allow_amx=True)
+    if not amx.has_amx:
+        pytest.skip("this CPU has no AMX")
+    vector = load_paged_prefill_kernel(allow_amx=False)
+    outs = []
+    for kernel in (amx, vector):
+        captured = {}
+
+        def spy(*args, kernel=kernel, captured=captured, **kw):
+            kernel(*args, **kw)
+            captured["out"] = args[6].clone()
+
+        _run_case(spy, torch.bfloat16, 3, 3, 64, 16, [(0, 200), (700, 64)], seed=3)
+        outs.append(captured["out"])
+    assert not torch.equal(outs[0], outs[1])

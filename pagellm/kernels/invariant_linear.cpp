@@ -27,9 +27,8 @@
 
 #include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx_common.h"
 #include "cpu_common.h"
 
 namespace {
@@ -257,28 +256,8 @@ void run_path1(const Args& a, int threads) {
 // ----- path 2: AMX tiles ---------------------------------------------------------------------
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;
-constexpr long XFEATURE_XTILEDATA = 18;
-
-bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles: 0-3 C (rows 0-15 / 16-31 x columns of block b0 / b1), 4-5 A (the two row halves),
-// 6-7 B (the two column blocks). Every tile is 16 rows of 64 bytes.
-void load_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
-}
-
+// 6-7 B (the two column blocks). Every tile is 16 rows of 64 bytes (amx_common.h).
 // rows [m0, m0 + 32) of x (a 32-row panel padded with zero rows when x has fewer) times column
 // blocks b0 and b1 (b1 < 0: none); acc holds C [32][32].
 void amx_panel(const Args& a, const uint16_t* xp, int64_t x_stride, int rows, int b0, int b1,
@@ -321,7 +300,7 @@ void run_path2(const Args& a, int threads) {
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
 #pragma omp parallel num_threads(threads)
   {
-    load_config();
+    amx_load_config();
     int lo, hi;
     my_blocks(pairs, omp_get_thread_num(), omp_get_num_threads(), lo, hi);
     alignas(64) float acc[32 * 32];

@@ -119,17 +119,21 @@ class PagedPrefillKernel:
     """Prefill/extend attention over the paged cache (see paged_prefill.cpp): each chunk's tokens
     attend to the chunk's cached prefix in full and to the chunk itself causally."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, allow_amx: bool = True) -> None:
         fn = lib.paged_prefill_attention
         fn.restype = ctypes.c_int
         fn.argtypes = (
             [ctypes.c_int] * 2
             + [ctypes.c_void_p] * 7
             + [ctypes.c_int] * 7
-            + [ctypes.c_float, ctypes.c_float, ctypes.c_int]
+            + [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int]
         )
         self._fn = fn
         self.vector_width = int(lib.paged_prefill_vector_width())
+        self.has_amx = bool(lib.paged_prefill_has_amx())
+        """This CPU and build run bf16 calls (plain cache, head_dim a multiple of 32, at least
+        one 32-row item per thread) on AMX tiles."""
+        self.allow_amx = allow_amx
 
     @staticmethod
     def supports(dtype: torch.dtype, kv_code: int = 0) -> bool:
@@ -181,15 +185,19 @@ class PagedPrefillKernel:
             scale,
             v_scale,
             torch.get_num_threads(),
+            int(self.allow_amx),
         )
         if rc != 0:
             raise RuntimeError(f"paged_prefill_attention failed with code {rc}")
 
 
-def load_paged_prefill_kernel(vector_width: int | None = None) -> PagedPrefillKernel | None:
-    """The prefill kernel built for this CPU; ``vector_width`` forces 8 or 16 lanes (tests)."""
+def load_paged_prefill_kernel(
+    vector_width: int | None = None, allow_amx: bool = True
+) -> PagedPrefillKernel | None:
+    """The prefill kernel built for this CPU; ``vector_width`` forces 8 or 16 lanes and
+    ``allow_amx=False`` keeps bf16 calls off AMX (tests, benchmarks)."""
     flags: tuple[str, ...] = ("-fopenmp",)  # torch's libgomp: see paged_prefill.cpp
     if vector_width is not None:
         flags += (f"-DPAGELLM_VEC_WIDTH={vector_width}", "-Wno-psabi")
     lib = build_library("paged_prefill.cpp", flags)
-    return PagedPrefillKernel(lib) if lib is not None else None
+    return PagedPrefillKernel(lib, allow_amx) if lib is not None else None

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_common.h"
 #include "cpu_common.h"
 
 namespace {
@@ -392,6 +393,332 @@ void run(const Args& a, int num_chunks, int num_threads) {
   }
 }
 
+
+#if defined(PAGELLM_HAS_AMX)
+#include <immintrin.h>
+// ----- AMX path: bf16 q and cache, head_dim a multiple of 32 ---------------------------------
+// Scores are computed transposed, S^T = K Q^T, so that query rows lie along the vector lanes and
+// the online softmax is lane-parallel (no horizontal reductions), as in the vector path above.
+// Per (chunk, kv head) the keys the chunk sees are first packed, zeros past the last: K in A-tile
+// form [key tile of 32][key half][head_dim / 32][16 keys][32 dims] and V^T in A-tile form
+// [key tile][head_dim / 16][16 dims][32 keys]. A work item is 32 query rows (token, head of the
+// group) of one kv head, with Q^T in B-tile form [head_dim / 32][row half][16 dim pairs][16
+// rows][2]. Per key tile: S^T in four 16x16 fp32 tiles (TDPBF16PS over the head dims); the
+// online softmax (causal mask where the tile reaches past a row's position); P^T rounded to bf16
+// pairs of keys (B-tile form); O^T = O^T * alpha + V^T P^T, a head-dim half at a time. Tiles
+// (amx_common.h): 0-3 C, 4-5 A (K or V^T), 6-7 B (Q^T or P^T).
+constexpr int AT = 32;           // query rows per item, keys per tile
+constexpr int TILE_ELEMS = 512;  // bf16 values in one 16 x 64-byte tile
+
+struct AmxPack {
+  std::vector<uint16_t> k, vt;
+  std::vector<int64_t> at;  // element offset of each (chunk, kv head)'s packed keys
+  std::vector<int> tiles;   // key tiles of each (chunk, kv head)
+};
+
+// The keys chunk c sees (its prefix and itself) of kv head h, packed as above.
+void amx_pack_one(const Args& a, int c, int h, int tiles, uint16_t* pk, uint16_t* pvt) {
+  const int d = a.head_dim;
+  const int kv_end = a.start_pos[c] + a.query_starts[c + 1] - a.query_starts[c];
+  const int32_t* table = a.block_tables + static_cast<int64_t>(c) * a.max_blocks;
+  const int64_t head_base = static_cast<int64_t>(h) * a.num_blocks * a.block_size;
+  const uint16_t* kc = static_cast<const uint16_t*>(a.k_cache);
+  const uint16_t* vc = static_cast<const uint16_t*>(a.v_cache);
+  std::memset(pk, 0, static_cast<size_t>(tiles) * AT * d * 2);
+  std::memset(pvt, 0, static_cast<size_t>(tiles) * AT * d * 2);
+  const int dh_n = d / 32, dq_n = d / 16;
+  for (int key = 0; key < kv_end; ++key) {
+    const int64_t row = (head_base + static_cast<int64_t>(table[key / a.block_size]) * a.block_size +
+                         key % a.block_size) * d;
+    const int kt = key / AT, kh = (key % AT) / 16, kk = key % 16, j = key % AT;
+    for (int dh = 0; dh < dh_n; ++dh) {
+      uint16_t* dst = pk + ((static_cast<int64_t>(kt) * 2 + kh) * dh_n + dh) * TILE_ELEMS + kk * 32;
+      std::memcpy(dst, kc + row + dh * 32, 64);
+    }
+    const uint16_t* v = vc + row;
+    for (int dq = 0; dq < dq_n; ++dq) {
+      uint16_t* dst = pvt + (static_cast<int64_t>(kt) * dq_n + dq) * TILE_ELEMS + j;
+      for (int dd = 0; dd < 16; ++dd) dst[dd * 32] = v[dq * 16 + dd];
+    }
+  }
+}
+
+// One work item's state: SUB blocks of 32 rows, each with its Q^T, O^T and softmax rows.
+constexpr int SUB = 4;  // a key tile read once from L2 serves 4 x 32 rows from L1
+
+struct AmxScratch {
+  std::vector<uint16_t> qt, pt;
+  std::vector<float> ot, s, rows;  // rows: pos, max, sum, alpha per sub-block
+  explicit AmxScratch(int d)
+      : qt(static_cast<size_t>(SUB) * AT * d), pt(AT * AT), ot(static_cast<size_t>(SUB) * AT * d),
+        s(AT * AT), rows(static_cast<size_t>(SUB) * 4 * AT) {}
+  float* pos(int b) { return rows.data() + b * 4 * AT; }
+  float* mx(int b) { return pos(b) + AT; }
+  float* sum(int b) { return pos(b) + 2 * AT; }
+  float* alpha(int b) { return pos(b) + 3 * AT; }
+};
+
+inline void store_tiles(float* dst) {  // C tiles 0-3 as one 32 x 32 fp32 block
+  _tile_stored(0, dst, AT * 4);
+  _tile_stored(1, dst + 16, AT * 4);
+  _tile_stored(2, dst + 16 * AT, AT * 4);
+  _tile_stored(3, dst + 16 * AT + 16, AT * 4);
+}
+
+inline void load_tiles(const float* src) {  // the inverse of store_tiles
+  _tile_loadd(0, src, AT * 4);
+  _tile_loadd(1, src + 16, AT * 4);
+  _tile_loadd(2, src + 16 * AT, AT * 4);
+  _tile_loadd(3, src + 16 * AT + 16, AT * 4);
+}
+
+inline void dot_2x2() {  // C[2i + j] += A[i] B[j]
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
+inline void zero_c() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// Interleave two vectors of row values (keys 2kp and 2kp + 1) into bf16 pairs: VW pairs of a
+// 64-byte B-tile row.
+inline void pair_bf16(vf a, vf b, uint16_t* dst) {
+#if defined(__AVX512BF16__)
+  if constexpr (VW == 16) {
+    __m512 va, vb;
+    std::memcpy(&va, &a, 64);
+    std::memcpy(&vb, &b, 64);
+    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(vb, va));  // a.., b..
+    alignas(64) static constexpr uint16_t order[32] = {
+        0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(_mm512_load_si512(order), both));
+    return;
+  }
+#endif
+  for (int l = 0; l < VW; ++l) store(dst + 2 * l, a[l]), store(dst + 2 * l + 1, b[l]);
+}
+
+// 2^x for x <= 0 (-inf gives 0): 2^round(x) times a degree-5 polynomial of the rest (|f| <= 1/2,
+// relative error ~3e-6: P is rounded to bf16 next, and the sum keeps the same values).
+inline vf vexp2(vf x) {
+#if defined(__AVX512F__)
+  if constexpr (VW == 16) {
+    __m512 t;
+    std::memcpy(&t, &x, 64);
+    t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022651f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_scalef_ps(p, n);
+    vf r;
+    std::memcpy(&r, &p, 64);
+    return r;
+  }
+#endif
+  return vexp(x * 0.6931471805599453f);
+}
+
+constexpr float LAZY = 8.f;
+
+// The online softmax over S^T [32 keys][32 rows] (keys from k0, raw scores), lane-parallel over
+// the rows, in base 2 (each row's max is kept as scale * log2(e) * score): P^T goes to sc.pt as
+// bf16 B tiles, each row's rescale factor to alpha; returns whether any row's max moved (else
+// every alpha is 1).
+bool softmax_tile(const Args& a, AmxScratch& sc, const float* pos, float* mx, float* sum,
+                  float* alpha, int k0, bool mask) {
+  constexpr int NV = AT / VW;
+  const float c = a.scale * 1.44269504088896341f;  // the scale is positive: max commutes
+  const float* s = sc.s.data();
+  bool moved = false;
+  for (int v = 0; v < NV; ++v) {
+    const vf posv = loadv(pos + v * VW);
+    auto raw = [&](int j) {
+      const vf x = loadv(s + j * AT + v * VW);
+      return mask ? (splat(static_cast<float>(k0 + j)) > posv ? splat(-INFINITY) : x) : x;
+    };
+    vf tile_max = splat(-INFINITY);
+    for (int j = 0; j < AT; ++j) tile_max = vmax(tile_max, raw(j));
+    const vf old_max = loadv(mx + v * VW);
+    // the max moves only when a score passes it by more than LAZY (log2 units): P stays below
+    // 2^LAZY, and O^T is rescaled in the few tiles where a max moved
+    const vf new_max = tile_max * c > old_max + LAZY ? tile_max * c : old_max;
+    const vf al = vexp2(old_max - new_max);
+    for (int l = 0; l < VW; ++l) moved |= new_max[l] != old_max[l];
+    vf total = splat(0.f);
+    const int lane0 = v * VW, rh = lane0 / 16, col = (lane0 % 16) * 2;
+    for (int j = 0; j < AT; j += 2) {
+      const vf e0 = vexp2(raw(j) * c - new_max), e1 = vexp2(raw(j + 1) * c - new_max);
+      total += e0 + e1;
+      pair_bf16(e0, e1, sc.pt.data() + rh * TILE_ELEMS + (j / 2) * 32 + col);
+    }
+    storev(sum + v * VW, loadv(sum + v * VW) * al + total);
+    storev(mx + v * VW, new_max);
+    storev(alpha + v * VW, al);
+  }
+  return moved;
+}
+
+// Rows [row0, row0 + rows) of an item as sub-block b (rows <= 32): Q^T packed, state reset.
+void amx_sub_init(const Args& a, const Item& it, int b, AmxScratch& sc) {
+  const int d = a.head_dim, group = a.num_heads / a.num_kv_heads;
+  const int start = a.start_pos[it.chunk], tok0 = a.query_starts[it.chunk];
+  const int row0 = it.row0 + b * AT, rows = std::min(AT, it.rows - b * AT);
+  const uint16_t* q = static_cast<const uint16_t*>(a.q);
+  uint16_t* qt = sc.qt.data() + static_cast<size_t>(b) * AT * d;
+  std::fill(qt, qt + AT * d, 0);
+  std::fill(sc.ot.begin() + static_cast<size_t>(b) * AT * d,
+            sc.ot.begin() + static_cast<size_t>(b + 1) * AT * d, 0.f);
+  for (int r = 0; r < AT; ++r) {
+    sc.mx(b)[r] = -INFINITY, sc.sum(b)[r] = 0.f;
+    if (r >= rows) {
+      sc.pos(b)[r] = 3.0e9f;  // padding rows see every key (their q is 0) and are dropped
+      continue;
+    }
+    const int row = row0 + r, tok = row / group;
+    sc.pos(b)[r] = static_cast<float>(start + tok);
+    const uint16_t* src = q + (static_cast<int64_t>(tok0 + tok) * a.num_heads +
+                               it.kv_head * group + row % group) * d;
+    const int rh = r / 16, rr = r % 16;
+    for (int x = 0; x < d; ++x) {  // Q^T B tiles: [dh][rh][dim pair][row][2]
+      const int dh = x / 32, dp = (x % 32) / 2;
+      qt[(dh * 2 + rh) * TILE_ELEMS + dp * 32 + rr * 2 + x % 2] = src[x];
+    }
+  }
+}
+
+// Key tile kt (keys from k0) for sub-block b: scores, softmax, O^T += V^T P^T.
+void amx_sub_tile(const Args& a, int b, int kt, int k0, bool mask, const uint16_t* pk,
+                  const uint16_t* pvt, AmxScratch& sc) {
+  const int d = a.head_dim, dh_n = d / 32, dq_n = d / 16;
+  const uint16_t* qt = sc.qt.data() + static_cast<size_t>(b) * AT * d;
+  zero_c();
+  for (int dh = 0; dh < dh_n; ++dh) {
+    _tile_loadd(4, pk + ((static_cast<int64_t>(kt) * 2) * dh_n + dh) * TILE_ELEMS, 64);
+    _tile_loadd(5, pk + ((static_cast<int64_t>(kt) * 2 + 1) * dh_n + dh) * TILE_ELEMS, 64);
+    _tile_loadd(6, qt + (dh * 2) * TILE_ELEMS, 64);
+    _tile_loadd(7, qt + (dh * 2 + 1) * TILE_ELEMS, 64);
+    dot_2x2();
+  }
+  store_tiles(sc.s.data());
+  float* alpha = sc.alpha(b);
+  const bool rescale = softmax_tile(a, sc, sc.pos(b), sc.mx(b), sc.sum(b), alpha, k0, mask);
+  _tile_loadd(6, sc.pt.data(), 64);
+  _tile_loadd(7, sc.pt.data() + TILE_ELEMS, 64);
+  float* ot = sc.ot.data() + static_cast<size_t>(b) * AT * d;  // O^T [dims][32 rows]
+  if (rescale) {
+    for (int x = 0; x < d; ++x)
+      for (int v = 0; v < AT / VW; ++v)
+        storev(ot + x * AT + v * VW, loadv(ot + x * AT + v * VW) * loadv(alpha + v * VW));
+  }
+  for (int dh = 0; dh < dh_n; ++dh) {  // O^T accumulates in the C tiles, a head-dim half a time
+    load_tiles(ot + dh * 32 * AT);
+    _tile_loadd(4, pvt + (static_cast<int64_t>(kt) * dq_n + 2 * dh) * TILE_ELEMS, 64);
+    _tile_loadd(5, pvt + (static_cast<int64_t>(kt) * dq_n + 2 * dh + 1) * TILE_ELEMS, 64);
+    dot_2x2();
+    store_tiles(ot + dh * 32 * AT);
+  }
+}
+
+// An item: up to SUB x 32 rows of one (chunk, kv head). Each key tile is used by every
+// sub-block that sees it before the next is read.
+void amx_item(const Args& a, const Item& it, const uint16_t* pk, const uint16_t* pvt,
+              AmxScratch& sc) {
+  const int d = a.head_dim, group = a.num_heads / a.num_kv_heads;
+  const int start = a.start_pos[it.chunk], tok0 = a.query_starts[it.chunk];
+  const int subs = (it.rows + AT - 1) / AT;
+  int first_pos[SUB], kv_end[SUB];
+  for (int b = 0; b < subs; ++b) {
+    amx_sub_init(a, it, b, sc);
+    const int row0 = it.row0 + b * AT, rows = std::min(AT, it.rows - b * AT);
+    first_pos[b] = start + row0 / group;
+    kv_end[b] = start + (row0 + rows - 1) / group + 1;
+  }
+  for (int kt = 0, k0 = 0; k0 < kv_end[subs - 1]; ++kt, k0 += AT) {
+    for (int b = 0; b < subs; ++b) {
+      if (k0 < kv_end[b]) amx_sub_tile(a, b, kt, k0, k0 + AT - 1 > first_pos[b], pk, pvt, sc);
+    }
+  }
+  uint16_t* out = static_cast<uint16_t*>(a.out);
+  for (int b = 0; b < subs; ++b) {
+    const float* ot = sc.ot.data() + static_cast<size_t>(b) * AT * d;
+    for (int r = 0; r < std::min(AT, it.rows - b * AT); ++r) {
+      const int row = it.row0 + b * AT + r;
+      uint16_t* dst = out + (static_cast<int64_t>(tok0 + row / group) * a.num_heads +
+                             it.kv_head * group + row % group) * d;
+      const float inv = a.v_scale / sc.sum(b)[r];
+      for (int x = 0; x < d; ++x) store(dst + x, ot[x * AT + r] * inv);
+    }
+  }
+}
+
+// Whether the AMX path takes this call: bf16 everywhere, head_dim a multiple of 32, the tile
+// state granted, and at least one item per thread.
+bool amx_takes(const Args& a, int dtype_code, int kv_code, int num_chunks, int num_threads) {
+  if (dtype_code != 1 || kv_code != 0 || a.head_dim % 32 != 0 || a.head_dim > 256) return false;
+  const int group = a.num_heads / a.num_kv_heads;
+  int64_t items = 0;
+  for (int c = 0; c < num_chunks; ++c)
+    items += ((a.query_starts[c + 1] - a.query_starts[c]) * group + SUB * AT - 1) / (SUB * AT);
+  return items * a.num_kv_heads >= num_threads && amx_permitted();
+}
+
+void run_amx(const Args& a, int num_chunks, int num_threads) {
+  const int group = a.num_heads / a.num_kv_heads, d = a.head_dim;
+  AmxPack pack;
+  std::vector<Item> items;
+  int64_t total = 0;
+  for (int c = 0; c < num_chunks; ++c) {
+    const int tokens = a.query_starts[c + 1] - a.query_starts[c];
+    const int tiles = (a.start_pos[c] + tokens + AT - 1) / AT;
+    for (int h = 0; h < a.num_kv_heads; ++h) {
+      pack.at.push_back(total);
+      pack.tiles.push_back(tiles);
+      total += static_cast<int64_t>(tiles) * AT * d;
+      for (int r0 = 0; r0 < tokens * group; r0 += SUB * AT) {
+        const int n = std::min(SUB * AT, tokens * group - r0);
+        const int64_t keys = a.start_pos[c] + (r0 + n - 1) / group + 1;
+        items.push_back({c, h, r0, n, keys});
+      }
+    }
+  }
+  std::sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  pack.k.resize(total);
+  pack.vt.resize(total);
+  const int pairs = num_chunks * a.num_kv_heads;
+  const int n = static_cast<int>(items.size());
+  num_threads = std::max(1, std::min(num_threads, std::max(n, pairs)));
+#pragma omp parallel num_threads(num_threads)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < pairs; ++i) {
+      amx_pack_one(a, i / a.num_kv_heads, i % a.num_kv_heads, pack.tiles[i],
+                   pack.k.data() + pack.at[i], pack.vt.data() + pack.at[i]);
+    }
+    amx_load_config();
+    AmxScratch scratch(d);
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < n; ++i) {
+      const Item& it = items[i];
+      const int64_t at = pack.at[it.chunk * a.num_kv_heads + it.kv_head];
+      amx_item(a, it, pack.k.data() + at, pack.vt.data() + at, scratch);
+    }
+    _tile_release();
+  }
+}
+#endif
+
 template <typename T>
 int run_cache(int kv_code, const Args& a, int num_chunks, int num_threads) {
   switch (kv_code) {
@@ -410,14 +737,29 @@ extern "C" int paged_prefill_attention(
     const void* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,
     const int32_t* query_starts, const int32_t* start_pos, void* out, int num_chunks,
     int num_heads, int num_kv_heads, int head_dim, int num_blocks, int block_size, int max_blocks,
-    float scale, float v_scale, int num_threads) {
+    float scale, float v_scale, int num_threads, int allow_amx) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
   Args a{q,         k_cache,      v_cache,  block_tables, query_starts, start_pos, out,
          num_heads, num_kv_heads, head_dim, num_blocks,   block_size,   max_blocks, scale,
          v_scale};
+#if defined(PAGELLM_HAS_AMX)
+  if (allow_amx && amx_takes(a, dtype_code, kv_code, num_chunks, std::max(1, num_threads))) {
+    run_amx(a, num_chunks, std::max(1, num_threads));
+    return 0;
+  }
+#endif
   if (dtype_code == 0) return run_cache<float>(kv_code, a, num_chunks, num_threads);
   if (dtype_code == 1) return run_cache<uint16_t>(kv_code, a, num_chunks, num_threads);
   return 2;
 }
 
 extern "C" int paged_prefill_vector_width() { return VW; }
+
+// Whether this build and process can take the AMX path (bf16 calls then may).
+extern "C" int paged_prefill_has_amx() {
+#if defined(PAGELLM_HAS_AMX)
+  return amx_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
