@@ -86,6 +86,7 @@ struct Args {
   int num_heads, num_kv_heads, head_dim, num_blocks, block_size, max_blocks;
   float scale;
   float v_scale;
+  const uint8_t* amx_chunks = nullptr;  // chunks the AMX path takes (the vector path skips them)
 };
 
 struct Item {
@@ -306,6 +307,7 @@ Plan make_plan(const Args& a, int num_chunks, int num_threads) {
   Plan plan;
   std::vector<Item> base;
   for (int c = 0; c < num_chunks; ++c) {
+    if (a.amx_chunks != nullptr && a.amx_chunks[c]) continue;
     const int rows = (a.query_starts[c + 1] - a.query_starts[c]) * group;
     for (int h = 0; h < a.num_kv_heads; ++h) {
       for (int r0 = 0; r0 < rows; r0 += ROWS) {
@@ -663,15 +665,24 @@ void amx_item(const Args& a, const Item& it, const uint16_t* pk, const uint16_t*
   }
 }
 
-// Whether the AMX path takes this call: bf16 everywhere, head_dim a multiple of 32, the tile
-// state granted, and at least one item per thread.
-bool amx_takes(const Args& a, int dtype_code, int kv_code, int num_chunks, int num_threads) {
-  if (dtype_code != 1 || kv_code != 0 || a.head_dim % 32 != 0 || a.head_dim > 256) return false;
+// Which chunks the AMX path takes: all of a bf16 call with a plain cache and head_dim a
+// multiple of 32, once the tile state is granted, but for chunks of fewer than AMX_MIN_ROWS
+// query rows, which the vector path attends in place (the AMX path first packs every key the
+// chunk sees, a cost a few rows do not repay: the cut chunks of a long prompt while others
+// decode, a few tokens over thousands of cached ones). Returns how many chunks it takes.
+constexpr int AMX_MIN_ROWS = 96;
+
+int amx_chunk_mask(const Args& a, int dtype_code, int kv_code, int num_chunks,
+                   std::vector<uint8_t>& mask) {
+  if (dtype_code != 1 || kv_code != 0 || a.head_dim % 32 != 0 || a.head_dim > 256) return 0;
   const int group = a.num_heads / a.num_kv_heads;
-  int64_t items = 0;
-  for (int c = 0; c < num_chunks; ++c)
-    items += ((a.query_starts[c + 1] - a.query_starts[c]) * group + SUB * AT - 1) / (SUB * AT);
-  return items * a.num_kv_heads >= num_threads && amx_permitted();
+  mask.assign(num_chunks, 0);
+  int taken = 0;
+  for (int c = 0; c < num_chunks; ++c) {
+    mask[c] = (a.query_starts[c + 1] - a.query_starts[c]) * group >= AMX_MIN_ROWS;
+    taken += mask[c];
+  }
+  return taken > 0 && amx_permitted() ? taken : 0;
 }
 
 void run_amx(const Args& a, int num_chunks, int num_threads) {
@@ -680,8 +691,8 @@ void run_amx(const Args& a, int num_chunks, int num_threads) {
   std::vector<Item> items;
   int64_t total = 0;
   for (int c = 0; c < num_chunks; ++c) {
-    const int tokens = a.query_starts[c + 1] - a.query_starts[c];
-    const int tiles = (a.start_pos[c] + tokens + AT - 1) / AT;
+    const int tokens = a.amx_chunks[c] ? a.query_starts[c + 1] - a.query_starts[c] : 0;
+    const int tiles = tokens ? (a.start_pos[c] + tokens + AT - 1) / AT : 0;
     for (int h = 0; h < a.num_kv_heads; ++h) {
       pack.at.push_back(total);
       pack.tiles.push_back(tiles);
@@ -703,6 +714,7 @@ void run_amx(const Args& a, int num_chunks, int num_threads) {
   {
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < pairs; ++i) {
+      if (pack.tiles[i] == 0) continue;
       amx_pack_one(a, i / a.num_kv_heads, i % a.num_kv_heads, pack.tiles[i],
                    pack.k.data() + pack.at[i], pack.vt.data() + pack.at[i]);
     }
@@ -743,9 +755,12 @@ extern "C" int paged_prefill_attention(
          num_heads, num_kv_heads, head_dim, num_blocks,   block_size,   max_blocks, scale,
          v_scale};
 #if defined(PAGELLM_HAS_AMX)
-  if (allow_amx && amx_takes(a, dtype_code, kv_code, num_chunks, std::max(1, num_threads))) {
+  std::vector<uint8_t> mask;
+  const int on_amx = allow_amx ? amx_chunk_mask(a, dtype_code, kv_code, num_chunks, mask) : 0;
+  if (on_amx > 0) {
+    a.amx_chunks = mask.data();
     run_amx(a, num_chunks, std::max(1, num_threads));
-    return 0;
+    if (on_amx == num_chunks) return 0;
   }
 #endif
   if (dtype_code == 0) return run_cache<float>(kv_code, a, num_chunks, num_threads);
