@@ -11,10 +11,12 @@ Every argument (pointers into the weights, the KV cache and the static buffers, 
 count) is converted once when the plan is built; a step copies its token ids, positions, slots,
 context lengths and block tables into the static inputs and runs the list.
 
-Which steps: those whose every sequence decodes, with at most ``max_size`` rows: one token per
-sequence, or its last token and the proposals after it under speculative decoding. Each row
+Which steps: those whose every sequence decodes or advances a small prefill chunk, with at most
+``max_size`` rows: one token per sequence, its last token and the proposals after it under
+speculative decoding, or a chunk of a few tokens (at most ``ROW_WORK_LIMIT`` tokens x context:
+the cut chunks of a long prompt while others decode, a short prompt joining them). Each row
 attends with the decode kernel up to its own position, after the whole step's K/V are written
-(so a proposal sees the ones before it). A CPU gains nothing from padding a batch up to a bucket (a padded row
+(so a proposal, or a chunk's token, sees the ones before it). A CPU gains nothing from padding a batch up to a bucket (a padded row
 costs the same arithmetic as a real one), so each number of rows gets its own plan, built on first
 use (about a millisecond). Under eager-only settings (``--enforce-eager``), with tensor or
 pipeline parallelism, an FP8 KV cache, q/k norms or a GPU, steps stay eager.
@@ -149,13 +151,22 @@ class CapturedDecoder:
         self.num_steps = 0
         """Steps run captured so far (tests and the step profile read it)."""
 
+    ROW_WORK_LIMIT = 128 * 1024
+    """A prefill chunk of at most this many (tokens x context positions) runs as rows of the
+    step: the few tokens a long prompt advances while others decode, a short prompt joining."""
+
     def runs(self, scheduled: list[ScheduledRequest]) -> bool:
         """Whether this step runs captured: every sequence decodes (its last token, and the
-        tokens proposed after it when it speculates), at most ``max_size`` rows in all."""
+        tokens proposed after it when it speculates) or is a small prefill chunk, at most
+        ``max_size`` rows in all."""
         rows = sum(s.num_tokens for s in scheduled)
-        return 0 < rows <= self.max_size and all(
-            s.num_tokens == 1 + len(s.spec_token_ids) for s in scheduled
-        )
+        return 0 < rows <= self.max_size and all(self._as_rows(s) for s in scheduled)
+
+    def _as_rows(self, s: ScheduledRequest) -> bool:
+        if s.num_tokens == 1 + len(s.spec_token_ids):
+            return True
+        end = s.start_pos + s.num_tokens
+        return not s.spec_token_ids and s.num_tokens * end <= self.ROW_WORK_LIMIT
 
     def forward(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
         """The final hidden states [rows, hidden] of this step, one row per token (a view of a
