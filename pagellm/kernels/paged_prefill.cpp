@@ -550,20 +550,41 @@ bool softmax_tile(const Args& a, AmxScratch& sc, const float* pos, float* mx, fl
       const vf x = loadv(s + j * AT + v * VW);
       return mask ? (splat(static_cast<float>(k0 + j)) > posv ? splat(-INFINITY) : x) : x;
     };
+    const int lane0 = v * VW, rh = lane0 / 16, col = (lane0 % 16) * 2;
+    uint16_t* pt = sc.pt.data() + rh * TILE_ELEMS + col;
+    // One pass against the max kept so far: P = 2^(score - max) <= 2^LAZY unless a score passes
+    // the max by more than LAZY (log2 units), and then (or on a row's first tile) the tile is
+    // done again against its new max, with O^T rescaled.
+    const vf old_max = loadv(mx + v * VW);
+    bool first = false;
+    for (int l = 0; l < VW; ++l) first |= old_max[l] == -INFINITY;
+    if (!first) {
+      vf total = splat(0.f), over = splat(-INFINITY);
+      for (int j = 0; j < AT; j += 2) {
+        const vf x0 = raw(j) * c - old_max, x1 = raw(j + 1) * c - old_max;
+        over = vmax(over, vmax(x0, x1));
+        const vf e0 = vexp2(x0), e1 = vexp2(x1);
+        total += e0 + e1;
+        pair_bf16(e0, e1, pt + (j / 2) * 32);
+      }
+      bool passed = false;
+      for (int l = 0; l < VW; ++l) passed |= over[l] > LAZY;
+      if (!passed) {
+        storev(sum + v * VW, loadv(sum + v * VW) + total);
+        storev(alpha + v * VW, splat(1.f));
+        continue;
+      }
+    }
     vf tile_max = splat(-INFINITY);
     for (int j = 0; j < AT; ++j) tile_max = vmax(tile_max, raw(j));
-    const vf old_max = loadv(mx + v * VW);
-    // the max moves only when a score passes it by more than LAZY (log2 units): P stays below
-    // 2^LAZY, and O^T is rescaled in the few tiles where a max moved
     const vf new_max = tile_max * c > old_max + LAZY ? tile_max * c : old_max;
     const vf al = vexp2(old_max - new_max);
     for (int l = 0; l < VW; ++l) moved |= new_max[l] != old_max[l];
     vf total = splat(0.f);
-    const int lane0 = v * VW, rh = lane0 / 16, col = (lane0 % 16) * 2;
     for (int j = 0; j < AT; j += 2) {
       const vf e0 = vexp2(raw(j) * c - new_max), e1 = vexp2(raw(j + 1) * c - new_max);
       total += e0 + e1;
-      pair_bf16(e0, e1, sc.pt.data() + rh * TILE_ELEMS + (j / 2) * 32 + col);
+      pair_bf16(e0, e1, pt + (j / 2) * 32);
     }
     storev(sum + v * VW, loadv(sum + v * VW) * al + total);
     storev(mx + v * VW, new_max);

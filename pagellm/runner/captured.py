@@ -11,10 +11,11 @@ Every argument (pointers into the weights, the KV cache and the static buffers, 
 count) is converted once when the plan is built; a step copies its token ids, positions, slots,
 context lengths and block tables into the static inputs and runs the list.
 
-Which steps: those whose every sequence decodes or advances a small prefill chunk, with at most
-``max_size`` rows: one token per sequence, its last token and the proposals after it under
-speculative decoding, or a chunk of a few tokens (at most ``ROW_WORK_LIMIT`` tokens x context:
-the cut chunks of a long prompt while others decode, a short prompt joining them). Each row
+Which steps: those whose every sequence decodes, or advances a small prefill chunk beside
+sequences that decode, with at most ``max_size`` rows: one token per sequence, its last token
+and the proposals after it under speculative decoding, or a chunk of a few tokens (at most
+``ROW_WORK_LIMIT`` tokens x context: the cut chunks of a long prompt while others decode, a short
+prompt joining them). Each row
 attends with the decode kernel up to its own position, after the whole step's K/V are written
 (so a proposal, or a chunk's token, sees the ones before it). A CPU gains nothing from padding a batch up to a bucket (a padded row
 costs the same arithmetic as a real one), so each number of rows gets its own plan, built on first
@@ -157,14 +158,19 @@ class CapturedDecoder:
 
     def runs(self, scheduled: list[ScheduledRequest]) -> bool:
         """Whether this step runs captured: every sequence decodes (its last token, and the
-        tokens proposed after it when it speculates) or is a small prefill chunk, at most
-        ``max_size`` rows in all."""
+        tokens proposed after it when it speculates) or, beside at least one that decodes, is
+        a small prefill chunk; at most ``max_size`` rows in all. (A step of prefill chunks
+        alone stays eager: the prefill kernel's tiles suit it, and a prompt alone computes as it
+        always did.)"""
         rows = sum(s.num_tokens for s in scheduled)
-        return 0 < rows <= self.max_size and all(self._as_rows(s) for s in scheduled)
+        if not 0 < rows <= self.max_size:
+            return False
+        decodes = [s.num_tokens == 1 + len(s.spec_token_ids) for s in scheduled]
+        return any(decodes) and all(
+            d or self._small_chunk(s) for s, d in zip(scheduled, decodes, strict=True)
+        )
 
-    def _as_rows(self, s: ScheduledRequest) -> bool:
-        if s.num_tokens == 1 + len(s.spec_token_ids):
-            return True
+    def _small_chunk(self, s: ScheduledRequest) -> bool:
         end = s.start_pos + s.num_tokens
         return not s.spec_token_ids and s.num_tokens * end <= self.ROW_WORK_LIMIT
 
