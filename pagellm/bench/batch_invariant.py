@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -58,8 +59,6 @@ def _engine_flags(args: argparse.Namespace, mode: str) -> list[str]:
 
 def offline(args: argparse.Namespace, mode: str, workdir: Path) -> dict[str, Any]:
     """One ``pagellm bench throughput`` process; its engine figures."""
-    import subprocess
-
     out = workdir / f"offline-{mode}.json"
     cmd = [sys.executable, "-m", "pagellm.cli", "bench", "throughput", "--dataset", "random",
            "--input-len", str(args.input_len), "--output-len", str(args.output_len),

@@ -161,32 +161,39 @@ void rows_fma(const Args& a, int m0, int blk) {
   }
 }
 
-constexpr int RMAX = 4;
-
-template <void (*Full)(const Args&, int, int), void (*One)(const Args&, int, int)>
+// Rows of x in register tiles of R (full tiles by Full, the rest one by one), column block blk.
+template <int R, void (*Full)(const Args&, int, int), void (*One)(const Args&, int, int)>
 void sweep(const Args& a, int blk) {
   int m0 = 0;
-  for (; m0 + RMAX <= a.m; m0 += RMAX) Full(a, m0, blk);
+  for (; m0 + R <= a.m; m0 += R) Full(a, m0, blk);
   for (; m0 < a.m; ++m0) One(a, m0, blk);
 }
 
-void run_path0(const Args& a, int threads) {
-  const int blocks = (a.n + NB - 1) / NB;
+// Each thread takes a contiguous run of `units` (column blocks, or pairs of them) and, chunk of
+// rows by chunk, calls fn(rows, unit) for each: the columns alone are split.
+template <typename Fn>
+void over_columns(const Args& a, int threads, int units, Fn fn) {
 #pragma omp parallel num_threads(threads)
   {
     int lo, hi;
-    my_blocks(blocks, omp_get_thread_num(), omp_get_num_threads(), lo, hi);
+    my_blocks(units, omp_get_thread_num(), omp_get_num_threads(), lo, hi);
     for (int mc = 0; mc < a.m; mc += MCHUNK) {
       const Args part = chunk_of(a, mc);
-      for (int blk = lo; blk < hi; ++blk) {
-        if (a.dtype == 0) {
-          sweep<rows_fma<float, RMAX>, rows_fma<float, 1>>(part, blk);
-        } else {
-          sweep<rows_fma<uint16_t, RMAX>, rows_fma<uint16_t, 1>>(part, blk);
-        }
-      }
+      for (int u = lo; u < hi; ++u) fn(part, u);
     }
   }
+}
+
+constexpr int RMAX = 4;
+
+void run_path0(const Args& a, int threads) {
+  over_columns(a, threads, (a.n + NB - 1) / NB, [](const Args& part, int blk) {
+    if (part.dtype == 0) {
+      sweep<RMAX, rows_fma<float, RMAX>, rows_fma<float, 1>>(part, blk);
+    } else {
+      sweep<RMAX, rows_fma<uint16_t, RMAX>, rows_fma<uint16_t, 1>>(part, blk);
+    }
+  });
 }
 
 // ----- path 1: AVX-512 BF16 dot products -----------------------------------------------------
@@ -225,37 +232,21 @@ void rows_dpbf16(const Args& a, int m0, int blk) {
 
 constexpr int RDP = 8;  // rows per register tile: 2 x 8 accumulators, 2 weight vectors
 
-template <int C>
-void sweep_dp(const Args& a, int blk) {
-  int m0 = 0;
-  for (; m0 + RDP <= a.m; m0 += RDP) rows_dpbf16<RDP, C>(a, m0, blk);
-  for (; m0 < a.m; ++m0) rows_dpbf16<1, C>(a, m0, blk);
-}
-
 void run_path1(const Args& a, int threads) {
   const int blocks = (a.n + NB - 1) / NB;
-  const int pairs = (blocks + 1) / 2;
-#pragma omp parallel num_threads(threads)
-  {
-    int lo, hi;
-    my_blocks(pairs, omp_get_thread_num(), omp_get_num_threads(), lo, hi);
-    for (int mc = 0; mc < a.m; mc += MCHUNK) {
-      const Args part = chunk_of(a, mc);
-      for (int p = lo; p < hi; ++p) {
-        if (2 * p + 1 < blocks) {
-          sweep_dp<2>(part, 2 * p);
-        } else {
-          sweep_dp<1>(part, 2 * p);
-        }
-      }
+  over_columns(a, threads, (blocks + 1) / 2, [blocks](const Args& part, int p) {
+    if (2 * p + 1 < blocks) {
+      sweep<RDP, rows_dpbf16<RDP, 2>, rows_dpbf16<1, 2>>(part, 2 * p);
+    } else {
+      sweep<RDP, rows_dpbf16<RDP, 1>, rows_dpbf16<1, 1>>(part, 2 * p);
     }
-  }
+  });
 }
 #endif
 
 // ----- path 2: AMX tiles ---------------------------------------------------------------------
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#if defined(PAGELLM_HAS_AMX)
 // Tiles: 0-3 C (rows 0-15 / 16-31 x columns of block b0 / b1), 4-5 A (the two row halves),
 // 6-7 B (the two column blocks). Every tile is 16 rows of 64 bytes (amx_common.h).
 // rows [m0, m0 + 32) of x (a 32-row panel padded with zero rows when x has fewer) times column
@@ -332,7 +323,7 @@ void run_path2(const Args& a, int threads) {
 #endif
 
 int best_path() {
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#if defined(PAGELLM_HAS_AMX)
   if (amx_permitted()) return 2;
 #endif
 #if defined(__AVX512BF16__)
@@ -361,7 +352,7 @@ extern "C" int invariant_linear(int path, int dtype, const void* x, const void* 
   const int blocks = (n + NB - 1) / NB;
   threads = std::max(1, std::min(threads, blocks));
   switch (path) {
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#if defined(PAGELLM_HAS_AMX)
     case 2: run_path2(a, threads); return 0;
 #endif
 #if defined(__AVX512BF16__)

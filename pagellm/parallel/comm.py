@@ -76,7 +76,8 @@ class Collectives:
         self.world = None
         self.tp = None
         self.fixed_order = False
-        """All-reduce sums in rank order (``all_reduce``); set by batch-invariant mode."""
+        """All-reduce sums in rank order (``all_reduce``); the runner sets it in
+        batch-invariant mode."""
 
         def group(prefix: str, rank: int, size: int):
             if self.device.type == "cuda":

@@ -38,7 +38,6 @@ from pagellm.kernels.invariant_linear import load_invariant_linear_kernel
 from pagellm.layers.linear import Linear
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.quant_linear import QuantEmbedding, QuantPart
-from pagellm.parallel.comm import Collectives
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +84,10 @@ class TritonRowOps:
         return F.silu(gate) * up
 
 
-def make_batch_invariant(
-    model: nn.Module, comm: Collectives | None = None, device: torch.device | None = None
-) -> str:
+def make_batch_invariant(model: nn.Module, device: torch.device | None = None) -> str:
     """Switch ``model`` (loaded) to batch-invariant kernels; returns the linear kernel's name.
-    Raises ValueError where the mode cannot hold."""
+    Raises ValueError where the mode cannot hold. (The TP all-reduce's order is the runner's:
+    ``Collectives.fixed_order``.)"""
     quantized = [n for n, m in model.named_modules() if isinstance(m, QuantPart | QuantEmbedding)]
     if quantized:
         raise ValueError(
@@ -105,8 +103,6 @@ def make_batch_invariant(
             module.use_invariant(kernel, release_weight=id(module.weight) not in shared)
         elif isinstance(module, RMSNorm) or hasattr(module, "row_ops"):
             module.row_ops = row_ops  # the norms and the MLP's SiLU-and-multiply
-    if comm is not None:
-        comm.fixed_order = True
     log.info("batch-invariant mode: linear layers on the %s path", kernel.path_name)
     return kernel.path_name
 

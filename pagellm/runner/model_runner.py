@@ -149,7 +149,7 @@ def _load(
 ):
     model = load_model(files, dtype, backend, comm, device)
     if batch_invariant:
-        make_batch_invariant(model, comm, device)
+        make_batch_invariant(model, device)
     elif device.type == "cpu":
         use_skinny_linears(model, load_skinny_linear_kernel())
         use_quant_kernel(model, load_quant_linear_kernel())
@@ -193,6 +193,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = cache.block_size
         self.comm = comm = comm or Collectives.single()
+        comm.fixed_order = batch_invariant  # the TP all-reduce sums in rank order
         layout = comm.layout
         self.backend = _backend(
             layout.split(arch.num_heads, "the number of attention heads").count,
