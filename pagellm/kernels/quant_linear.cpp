@@ -32,6 +32,7 @@
 #include <immintrin.h>
 
 #include "cpu_common.h"
+#include "quant_layout.h"
 
 namespace {
 
@@ -41,28 +42,6 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
 typedef uint32_t vu __attribute__((vector_size(VW * 4)));
 typedef int8_t vi8 __attribute__((vector_size(VW)));
 
-// fp16 -> fp32. Without F16C (or AVX512-FP16) GCC converts _Float16 through a libgcc call,
-// which cost a Q4_1 decode step 2x: one conversion per group and row.
-inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  _Float16 f;
-  std::memcpy(&f, &h, 2);
-  return static_cast<float>(f);
-#endif
-}
-
-// What a weight byte codes: the decoders' template parameter.
-enum Code { INT4, INT8, FP8_E4M3 };
-
-constexpr float FP8_SCALE = 256.f;  // fp8 decoders give value / 256; scales carry the 256
-
-// An E4M3 byte's value / 256 as fp16 bits.
-inline uint16_t fp8_half_bits(uint8_t b) {
-  return static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7F) << 7));
-}
-
 // value / 256 of every E4M3 byte, built once when the library loads (the portable decoder).
 struct Fp8Table {
   float v[256];
@@ -71,41 +50,6 @@ struct Fp8Table {
   }
 };
 const Fp8Table kFp8;
-
-struct Layout {
-  const uint8_t* q;        // [n][k * bits / 8]
-  const void* scales;      // [n][groups], fp16 or fp32
-  const void* offsets;     // [n][groups] like scales, or null
-  const uint8_t* zeros;    // [n][groups], or null (then zero_const)
-  int scale_half;          // 1: scales and offsets are fp16
-  int zero_const;
-  int bits;
-  int fp8;                 // 1: the bytes are E4M3 codes (bits 8, zero 0, no offsets)
-  int k;
-  int group;
-
-  int groups() const { return k / group; }
-  int64_t row_bytes() const { return static_cast<int64_t>(k) * bits / 8; }
-  // The decoders' scale: an fp8 decoder's values are a 256th of the codes'.
-  float scale(int n, int g) const {
-    const float s = value(scales, n, g);
-    return fp8 ? s * FP8_SCALE : s;
-  }
-  float offset(int n, int g) const { return offsets ? value(offsets, n, g) : 0.f; }
-  int zero(int n, int g) const {
-    return zeros ? zeros[static_cast<int64_t>(n) * groups() + g] : zero_const;
-  }
-  float value(const void* p, int n, int g) const {
-    const int64_t i = static_cast<int64_t>(n) * groups() + g;
-    return scale_half ? half_to_float(static_cast<const uint16_t*>(p)[i])
-                      : static_cast<const float*>(p)[i];
-  }
-};
-
-// Input c of a 4-bit row (blocks of 32 in 16 bytes: j low, j + 16 high).
-inline int nibble(const uint8_t* row, int c) {
-  return (row[(c >> 5) * 16 + (c & 15)] >> ((c & 16) ? 4 : 0)) & 15;
-}
 
 template <Code C>
 inline float decode1(const uint8_t* row, int c) {
@@ -145,6 +89,15 @@ inline vf decode(const uint8_t* row, int c) {
 #if defined(__AVX512F__)
   // sixteen integer codes widened by one instruction (a 4-bit half-block: its 16 bytes, low
   // nibbles for the block's first 16 inputs, high ones for the rest)
+  if constexpr (VW == 16 && C == FP8_E4M3) {  // sixteen E4M3 bytes as halves, one conversion
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
+    const __m512 f = _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+    vf out;
+    std::memcpy(&out, &f, sizeof out);
+    return out;
+  }
   if constexpr (VW == 16 && C != FP8_E4M3) {
     __m512i v;
     if constexpr (C == INT8) {

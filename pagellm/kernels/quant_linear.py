@@ -1,5 +1,7 @@
-"""Python face of the quantized linear kernel (see quant_linear.cpp): integer and FP8 E4M3
-codes in the stored form of ``pagellm.quant.formats``."""
+"""Python face of the quantized linear kernels: integer and FP8 E4M3 codes in the stored form of
+``pagellm.quant.formats``, decoded in registers for a few rows (quant_linear.cpp) and, for bf16
+activations on a CPU with native bf16 products, decoded to bf16 once per call and multiplied on
+AMX tiles or AVX-512 BF16 dot products for more (quant_tiles.cpp)."""
 
 from __future__ import annotations
 
@@ -13,16 +15,103 @@ from pagellm.kernels.cpu_build import build_library
 from pagellm.quant.formats import QuantizedWeight
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+TILES_PATH_NAMES = {1: "AVX-512 BF16", 2: "AMX"}
+TILE_ROWS = {
+    # AMX: tiles from 8 rows (at 4 decoding them cost more than the register path), bf16 panels
+    # for torch's (oneDNN's) GEMM above 256 rows (2048 x 576 x 3072: 2.2 ms that way, 5.1 ms on
+    # the tiles, 2.1 ms dense bf16)
+    2: (8, 256, True),
+    # AVX-512 BF16 (no AMX; measured with oneDNN held to AVX512_CORE_BF16): dot products win at
+    # 16-128 rows only; above, the fp32 panels beat both them and a bf16 GEMM (2048 rows: 20 vs
+    # 31 ms)
+    1: (16, 128, False),
+    0: (1 << 30, 0, False),
+}
+"""path -> (tiles_min_rows, tiles_max_rows, bf16 panels above that)."""
 PANEL_BYTES = 8 << 20
 """The large-batch path decodes this much of a weight (fp32) at a time: a panel that stays in
 cache while torch's GEMM reads it."""
 
 
+class QuantTilesKernel:
+    """``x @ W^T`` for bf16 x of any number of rows, W decoded to bf16 one 16-feature block at a
+    time and multiplied on AMX tiles (path 2) or AVX-512 BF16 dot products (path 1)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: int | None = None) -> None:
+        ptr, i = ctypes.c_void_p, ctypes.c_int
+        self._linear = lib.quant_tiles_linear
+        self._linear.restype = i
+        self._linear.argtypes = [i, ptr, ptr, ptr, ptr, ptr, i, i, i, i, i, ptr, i, i, i, i]
+        best = int(lib.quant_tiles_best_path())
+        if path is not None and not 1 <= path <= best:
+            raise ValueError(f"quant tiles path {path} is not available here (best: {best})")
+        self.path = best if path is None else path
+        self._dequant = lib.quant_tiles_dequantize
+        self._dequant.restype = i
+        self._dequant.argtypes = [ptr, ptr, ptr, ptr, i, i, i, i, i, i, i, i, ptr, i]
+        self._panel = torch.empty(0, dtype=torch.bfloat16)
+
+    @property
+    def path_name(self) -> str:
+        return TILES_PATH_NAMES[self.path]
+
+    def dequantize(self, w: QuantizedWeight, row0: int, rows: int) -> torch.Tensor:
+        """Rows [row0, row0 + rows) of ``w`` in bf16 as the tiles decode them, in the shared
+        panel buffer (valid until the next call)."""
+        k = w.shape[1]
+        if self._panel.numel() < rows * k:
+            self._panel = torch.empty(rows * k, dtype=torch.bfloat16)
+        out = self._panel[: rows * k].view(rows, k)
+        rc = self._dequant(
+            *_layout(w), w.fmt.group(k), row0, rows, k, out.data_ptr(), torch.get_num_threads()
+        )
+        if rc != 0:
+            raise RuntimeError(f"quant_tiles_dequantize failed with code {rc} ({w.fmt.name})")
+        return out
+
+    def panels(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+        """``x @ W^T`` by torch's bf16 GEMM over cache-sized panels of W decoded as above."""
+        n, k = w.shape
+        rows = max(16, min(n, PANEL_BYTES // (2 * k)) // 16 * 16)
+        if rows >= n:
+            return torch.nn.functional.linear(x, self.dequantize(w, 0, n))
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        for row0 in range(0, n, rows):
+            count = min(rows, n - row0)
+            torch.matmul(x, self.dequantize(w, row0, count).t(), out=out[:, row0 : row0 + count])
+        return out
+
+    @staticmethod
+    def supports(w: QuantizedWeight) -> bool:
+        k = w.shape[1]
+        return k % 32 == 0 and w.fmt.group(k) % 16 == 0
+
+    def __call__(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+        out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+        rc = self.bind(x, w, out)()
+        if rc != 0:
+            raise RuntimeError(f"quant_tiles_linear failed with code {rc} ({w.fmt.name})")
+        return out
+
+    def bind(self, x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor) -> Callable[[], int]:
+        """A call computing ``out = x @ W^T`` with these very buffers; it returns the kernel's
+        status (0: done)."""
+        m, k = x.shape
+        assert x.dtype == torch.bfloat16 and out.dtype == torch.bfloat16
+        assert x.is_contiguous() and out.is_contiguous() and out.shape == (m, w.shape[0])
+        args = (self.path, x.data_ptr(), *_layout(w), w.fmt.group(k), out.data_ptr(), m,
+                w.shape[0], k, torch.get_num_threads())  # fmt: skip
+        return functools.partial(self._linear, *args)
+
+
 class QuantLinearKernel:
     """``x @ W^T`` with W kept quantized: decoded in registers for at most ``max_rows`` rows of
-    x, decoded a cache-sized panel at a time into fp32 for torch's GEMM above that."""
+    x, decoded a cache-sized panel at a time into fp32 for torch's GEMM above that. Where the
+    CPU has bf16 products, bf16 x of ``tiles_min_rows`` to ``tiles_max_rows`` rows goes to the
+    tile kernel, and more rows to its bf16 panels: those paths multiply W rounded to bf16, as a
+    bf16 model of the dequantized weights would."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, tiles: QuantTilesKernel | None = None) -> None:
         ptr, i = ctypes.c_void_p, ctypes.c_int
         self._linear = lib.quant_linear
         self._linear.restype = i
@@ -32,6 +121,11 @@ class QuantLinearKernel:
         self._dequant.argtypes = [ptr, ptr, ptr, ptr, i, i, i, i, i, i, i, i, ptr, i]
         self.max_rows = int(lib.quant_linear_max_rows())
         self._panel = torch.empty(0)
+        self.tiles = tiles
+        # the rows each route is for, measured per path (see TILE_ROWS)
+        self.tiles_min_rows, self.tiles_max_rows, self.bf16_panels = TILE_ROWS[
+            tiles.path if tiles is not None else 0
+        ]
 
     @staticmethod
     def supports(group: int) -> bool:
@@ -42,8 +136,25 @@ class QuantLinearKernel:
     def applies(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and x.dtype in _DTYPE_CODES and x.device.type == "cpu"
 
+    def bf16_route(self, x: torch.Tensor, w: QuantizedWeight) -> str | None:
+        """``"tiles"`` or ``"panels"`` where this call multiplies W rounded to bf16 (bf16 x on a
+        CPU with bf16 products), None where it takes the exact-weight paths."""
+        if self.tiles is None or x.dtype != torch.bfloat16 or not self.tiles.supports(w):
+            return None
+        m = x.shape[0]
+        if m < self.tiles_min_rows:
+            return None
+        if m <= self.tiles_max_rows:
+            return "tiles"
+        return "panels" if self.bf16_panels else None
+
     def __call__(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         x = x.contiguous()
+        route = self.bf16_route(x, w)
+        if route == "tiles":
+            return self.tiles(x, w)
+        if route == "panels":
+            return self.tiles.panels(x, w)
         if x.shape[0] <= self.max_rows:
             return self._skinny(x, w)
         return self._panels(x, w)
@@ -73,6 +184,17 @@ class QuantLinearKernel:
         """A call computing ``out = x @ W^T`` in the few-rows path with these very buffers
         (captured decode steps: the arguments are converted once); it returns the kernel's
         status (0: done)."""
+        route = self.bf16_route(x, w)
+        if route == "tiles":
+            return self.tiles.bind(x, w, out)
+        if route == "panels":
+            tiles = self.tiles
+
+            def panels() -> int:
+                out.copy_(tiles.panels(x, w))
+                return 0
+
+            return panels
         m, k = x.shape
         assert x.is_contiguous() and out.is_contiguous() and m <= self.max_rows
         assert out.shape == (m, w.shape[0]) and out.dtype == x.dtype
@@ -136,12 +258,27 @@ def _layout(w: QuantizedWeight) -> tuple:
 
 
 def load_quant_linear_kernel(
-    vector_width: int | None = None, extra_flags: tuple[str, ...] = ()
+    vector_width: int | None = None,
+    extra_flags: tuple[str, ...] = (),
+    tiles: bool = True,
+    tiles_path: int | None = None,
 ) -> QuantLinearKernel | None:
     """The kernel built for this CPU (``vector_width`` 8 or 16 forces the lanes, ``extra_flags``
-    e.g. ``-mno-avx2`` the portable decoder: tests)."""
+    e.g. ``-mno-avx2`` the portable decoder, ``tiles=False`` no bf16 tile path, ``tiles_path``
+    1 the AVX-512 BF16 one on an AMX machine: tests, benchmarks)."""
     flags: tuple[str, ...] = ("-fopenmp", *extra_flags)
     if vector_width is not None:
         flags += (f"-DPAGELLM_VEC_WIDTH={vector_width}", "-Wno-psabi")
     lib = build_library("quant_linear.cpp", flags)
-    return QuantLinearKernel(lib) if lib is not None else None
+    if lib is None:
+        return None
+    return QuantLinearKernel(lib, load_quant_tiles_kernel(tiles_path) if tiles else None)
+
+
+def load_quant_tiles_kernel(path: int | None = None) -> QuantTilesKernel | None:
+    """The bf16 tile kernel, or None where this CPU (or compiler) has no bf16 products."""
+    # no contraction: a decoded weight is the reference dequantization's own two roundings
+    lib = build_library("quant_tiles.cpp", ("-fopenmp", "-ffp-contract=off"))
+    if lib is None or int(lib.quant_tiles_best_path()) == 0:
+        return None
+    return QuantTilesKernel(lib, path)
