@@ -237,7 +237,7 @@ def test_the_quantization_bench_measures_fp8_formats(tiny_models, tmp_path):
          "--agree-tokens", "6", "--batch-sizes", "1,3", "--input-len", "8", "--output-len", "4",
          "--dataset-path", str(data), "--kv-cache-memory", "0.02", "--kv-budget-gib", "0.001",
          "--max-model-len", "512", "--checkpoints", f"ckpt={tiny_models('llama')}",
-         "--output-json", str(out)]
+         "--rounds", "2", "--output-json", str(out)]
     )  # fmt: skip
     assert args.func(args) == 0
     formats = json.loads(out.read_text())["formats"]
@@ -250,4 +250,6 @@ def test_the_quantization_bench_measures_fp8_formats(tiny_models, tmp_path):
     assert at_once["fp32+kv_fp8"] > 3 * at_once["fp32"] > 0
     for f in formats.values():
         assert f["perplexity"] > 1 and f["speed"]["3"]["output_tok_per_s"] > 0
+        rounds = [r["3"]["output_tok_per_s"] for r in f["speed_rounds"]]
+        assert len(rounds) == 2 and f["speed"]["3"]["output_tok_per_s"] == max(rounds)
     assert formats["fp8"]["weight_bytes"] < formats["fp32"]["weight_bytes"]

@@ -69,6 +69,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", default="1,8,32,256")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="speed: run every format this many times, in turn (A B C A B C ...); "
+                        "the table gives each figure's median")  # fmt: skip
     p.add_argument("--dataset-path", default=None)
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB of KV cache")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -105,15 +108,9 @@ def run(args: argparse.Namespace) -> int:
     chats = _held_out_chats(args) if "quality" in what else []
     reference_tokens: list[list[int]] | None = None
     for name in ["fp32", *[f for f in formats if f != "fp32"]] if "quality" in what else formats:
-        gguf = _split(name)[0].startswith("gguf")
-        model = str(source) if gguf else str(float_dir)
-        model = (
-            str(Path(checkpoints[_split(name)[0]]).expanduser())
-            if _split(name)[0] in checkpoints
-            else model
-        )
-        if gguf and source.suffix != ".gguf":
+        if _split(name)[0].startswith("gguf") and source.suffix != ".gguf":
             continue
+        model = _model_of(name, source, float_dir, checkpoints)
         entry: dict[str, Any] = {}
         llm = _open(model, name, args)
         memory = llm.engine.executor.memory_bytes()
@@ -130,13 +127,24 @@ def run(args: argparse.Namespace) -> int:
             else:
                 entry.pop("_tokens", None)
         if "speed" in what and name in formats:
-            entry["speed"] = _speed(llm, args)
+            entry["speed_rounds"] = [_speed(llm, args)]
         llm.shutdown()
         del llm
         gc.collect()
         if name in formats:
             results["formats"][name] = entry
         print(f"{name}: done", flush=True)
+    if "speed" in what:
+        for round_no in range(2, args.rounds + 1):
+            for name in results["formats"]:
+                llm = _open(_model_of(name, source, float_dir, checkpoints), name, args)
+                results["formats"][name]["speed_rounds"].append(_speed(llm, args))
+                llm.shutdown()
+                del llm
+                gc.collect()
+                print(f"{name}: round {round_no} done", flush=True)
+        for entry in results["formats"].values():
+            entry["speed"] = _median_speed(entry["speed_rounds"])
     print(render(results))
     if args.output_json:
         rep.write_report(args.output_json, results)
@@ -144,6 +152,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 _KV = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def _model_of(name: str, source: Path, float_dir: Path, checkpoints: dict[str, str]) -> str:
+    """What a format loads: its checkpoint, the GGUF itself, or the float folder."""
+    base = _split(name)[0]
+    if base in checkpoints:
+        return str(Path(checkpoints[base]).expanduser())
+    return str(source) if base.startswith("gguf") else str(float_dir)
+
+
+def _median_speed(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each batch size's figures as the median over the rounds (the upper one of an even
+    count)."""
+    out: dict[str, Any] = {}
+    for batch in rounds[0]:
+        out[batch] = {}
+        for key in rounds[0][batch]:
+            values = sorted(r[batch][key] for r in rounds if r[batch][key] is not None)
+            out[batch][key] = values[len(values) // 2] if values else None
+    return out
 
 
 def _open(model: str, name: str, args: argparse.Namespace):
