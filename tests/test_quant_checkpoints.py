@@ -136,8 +136,10 @@ _PRESETS = {
     "ct-fp8-static": ("FP8", "float-quantized"),  # one scale a tensor, static input_scale
     "ct-w8a8": ("W8A8", "int-quantized"),
 }
-WEIGHT_ONLY = set(_PRESETS)
-"""Schemes that quantize activations too: served weight-only."""
+WEIGHT_ONLY = set(_PRESETS) - {"ct-w8a8"}
+"""Schemes that quantize activations too and are served weight-only (FP8: no FP8 arithmetic on
+a CPU); W8A8's dynamic per-token int8 activations are computed as such."""
+INT8_ACTIVATIONS = {"ct-w8a8"}
 
 
 SCHEMES = {
@@ -198,6 +200,19 @@ def _write(src: Path, dst: Path, scheme: str) -> dict[str, torch.Tensor]:
     return dequantized
 
 
+def _quantize_inputs_per_token(hf, dequantized: dict[str, torch.Tensor]) -> None:
+    """Each quantized linear layer of ``hf`` sees its input quantized per token to int8 and
+    dequantized (compressed-tensors' dynamic per-token scheme)."""
+    from pagellm.quant.formats import quantize_activations_int8
+
+    def fake_quant(_module, args):
+        codes, scales = quantize_activations_int8(args[0])
+        return (codes * scales,)
+
+    for name in dequantized:
+        hf.get_submodule(name.removesuffix(".weight")).register_forward_pre_hook(fake_quant)
+
+
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 def test_checkpoint_loads_exactly_and_greedy_equals_its_dequantized_weights(
     tiny_models, tmp_path, caplog, scheme
@@ -211,10 +226,13 @@ def test_checkpoint_loads_exactly_and_greedy_equals_its_dequantized_weights(
     with torch.no_grad():
         for name, w in dequantized.items():
             hf.get_parameter(name).copy_(w)
+    if scheme in INT8_ACTIVATIONS:  # the reference rounds each quantized layer's input the same
+        _quantize_inputs_per_token(hf, dequantized)
     with LLM(str(tmp_path / scheme), **ENGINE) as llm:
         model = llm.engine.executor.model
         parts = [m for m in model.modules() if isinstance(m, QuantPart)]
         assert {p.fmt.name for p in parts} == {FORMAT_NAMES.get(scheme, scheme.split("-")[0])}
+        assert {p.fmt.act_int8 for p in parts} == {scheme in INT8_ACTIVATIONS}
         down = model.layers[1].mlp.down_proj.parts[0]
         ours = down.stored()
         ours.perm = down.perm

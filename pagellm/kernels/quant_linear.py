@@ -12,7 +12,8 @@ from collections.abc import Callable
 import torch
 
 from pagellm.kernels.cpu_build import build_library
-from pagellm.quant.formats import QuantizedWeight
+from pagellm.kernels.quant_int8 import QuantInt8Kernel, load_quant_int8_kernel
+from pagellm.quant.formats import QuantizedWeight, quantize_activations_int8
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 TILES_PATH_NAMES = {1: "AVX-512 BF16", 2: "AMX"}
@@ -111,7 +112,12 @@ class QuantLinearKernel:
     tile kernel, and more rows to its bf16 panels: those paths multiply W rounded to bf16, as a
     bf16 model of the dequantized weights would."""
 
-    def __init__(self, lib: ctypes.CDLL, tiles: QuantTilesKernel | None = None) -> None:
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        tiles: QuantTilesKernel | None = None,
+        int8: QuantInt8Kernel | None = None,
+    ) -> None:
         ptr, i = ctypes.c_void_p, ctypes.c_int
         self._linear = lib.quant_linear
         self._linear.restype = i
@@ -122,6 +128,7 @@ class QuantLinearKernel:
         self.max_rows = int(lib.quant_linear_max_rows())
         self._panel = torch.empty(0)
         self.tiles = tiles
+        self.int8 = int8
         # the rows each route is for, measured per path (see TILE_ROWS)
         self.tiles_min_rows, self.tiles_max_rows, self.bf16_panels = TILE_ROWS[
             tiles.path if tiles is not None else 0
@@ -135,6 +142,18 @@ class QuantLinearKernel:
 
     def applies(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and x.dtype in _DTYPE_CODES and x.device.type == "cpu"
+
+    def w8a8(self, x: torch.Tensor, w: QuantizedWeight, row_scales: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T`` of a W8A8 weight (``fmt.act_int8``): x quantized per token to int8 and
+        multiplied as integers on AMX-INT8; elsewhere the same codes (exact in float32) times the
+        weight by the weight-only paths, then the token's scale."""
+        x = x.contiguous()
+        if self.int8 is not None and self.int8.applies(x, w):
+            return self.int8(x, w, row_scales)
+        codes, scales = (
+            self.int8.quantize(x) if self.int8 is not None else quantize_activations_int8(x)
+        )
+        return (self(codes.float(), w) * scales).to(x.dtype)
 
     def bf16_route(self, x: torch.Tensor, w: QuantizedWeight) -> str | None:
         """``"tiles"`` or ``"panels"`` where this call multiplies W rounded to bf16 (bf16 x on a
@@ -272,13 +291,16 @@ def load_quant_linear_kernel(
     lib = build_library("quant_linear.cpp", flags)
     if lib is None:
         return None
-    return QuantLinearKernel(lib, load_quant_tiles_kernel(tiles_path) if tiles else None)
+    tile_kernel = load_quant_tiles_kernel(tiles_path) if tiles else None
+    return QuantLinearKernel(lib, tile_kernel, load_quant_int8_kernel())
 
 
 def load_quant_tiles_kernel(path: int | None = None) -> QuantTilesKernel | None:
     """The bf16 tile kernel, or None where this CPU (or compiler) has no bf16 products."""
     # no contraction: a decoded weight is the reference dequantization's own two roundings
-    lib = build_library("quant_tiles.cpp", ("-fopenmp", "-ffp-contract=off"))
+    lib = build_library(
+        "quant_tiles.cpp", ("-fopenmp", "-ffp-contract=off", "-fno-associative-math")
+    )
     if lib is None or int(lib.quant_tiles_best_path()) == 0:
         return None
     return QuantTilesKernel(lib, path)

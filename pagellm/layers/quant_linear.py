@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.kernels.quant_int8 import row_scales
 from pagellm.layers.linear import Linear
-from pagellm.quant.formats import QuantFormat, QuantizedWeight
+from pagellm.quant.formats import QuantFormat, QuantizedWeight, quantize_activations_int8
 from pagellm.quant.online import quantize
 
 _BITS_DTYPE = {torch.float16: torch.int16, torch.float32: torch.int32}
@@ -43,9 +44,11 @@ class QuantPart(nn.Module):
         self.register_buffer("perm", perm)
         self.kernel = None
         self._views: QuantizedWeight | None = None  # stored() for the step path, built once
+        self._row_scales: torch.Tensor | None = None  # W8A8: the scales as float32, once
 
     def _apply(self, fn, recurse=True):  # to(), to_empty(): new buffers, new views
         self._views = None
+        self._row_scales = None
         return super()._apply(fn, recurse)
 
     def stored(self) -> QuantizedWeight:
@@ -90,13 +93,26 @@ class QuantPart(nn.Module):
         w = self._views
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
+        if self.fmt.act_int8:
+            return self._w8a8(x, w)
         if self.kernel is not None and self.kernel.applies(x):
             return self.kernel(x, w)
         # no kernel (no compiler, or a GPU): the reference dequantization each call
         return F.linear(x, w.dequantize().to(device=x.device, dtype=x.dtype))
 
+    def _w8a8(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+        """Activations quantized per token to int8, multiplied with the int8 codes."""
+        if self.kernel is not None and self.kernel.applies(x):
+            if self._row_scales is None:
+                self._row_scales = row_scales(w)
+            return self.kernel.w8a8(x, w, self._row_scales)
+        codes, scales = quantize_activations_int8(x)
+        weight = w.dequantize().to(device=x.device)
+        return (F.linear(codes.to(x.device), weight) * scales.to(x.device)).to(x.dtype)
+
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, {self.fmt.name}"
+        act = ", int8 activations" if self.fmt.act_int8 else ""
+        return f"{self.in_features}, {self.out_features}, {self.fmt.name}{act}"
 
 
 class QuantLinear(nn.Module):

@@ -13,10 +13,12 @@ stored form of ``formats`` without dequantizing:
   int32 [out, in / 8], values + 8, ``weight_scale`` [out, groups]), ``int-quantized`` /
   ``naive-quantized`` int8 (``weight`` int8, ``weight_scale`` [out, 1 or groups]) and
   ``float-quantized`` FP8 (``weight`` float8_e4m3fn, ``weight_scale`` [out, 1] for strategy
-  ``channel``, one value for ``tensor``); symmetric weights. Schemes that also quantize
-  activations to 8 bits (W8A8, FP8, FP8_DYNAMIC) are served weight-only: the weights as stored,
-  activations in the model dtype (static ``input_scale`` / ``input_zero_point`` are not read),
-  which is what vLLM does on GPUs without FP8 compute.
+  ``channel``, one value for ``tensor``); symmetric weights. W8A8 with dynamic per-token int8
+  activations and per-channel (or per-tensor) weights is computed as such: the format's
+  ``act_int8``. Other schemes that quantize activations to 8 bits (FP8, FP8_DYNAMIC, static or
+  grouped int8) are served weight-only: the weights as stored, activations in the model dtype
+  (static ``input_scale`` / ``input_zero_point`` are not read), which is what vLLM does on GPUs
+  without FP8 compute.
 
 ``checkpoint_plan`` reads the config into a ``CheckpointQuant`` (the form of each layer, or a
 ValueError naming what is not supported); ``assemble`` turns the checkpoint's stream of tensors
@@ -150,7 +152,7 @@ def _compressed_tensors(qc: dict[str, Any]) -> CheckpointQuant:
     if kind == "float":
         fmt, layout = _ct_float(layout_name, bits, group)
     elif kind == "int":
-        fmt, layout = _ct_int(layout_name, bits, group, act_bits)
+        fmt, layout = _ct_int(layout_name, bits, group, act_bits, _int8_tokens(activations))
     else:
         raise ValueError(f"compressed-tensors {kind!r} weights are not supported")
     if strategy not in ("group", "channel", "tensor"):
@@ -211,20 +213,37 @@ def _ct_float(layout_name: str, bits: int, group: int) -> tuple[QuantFormat, str
     return fmt, "ct-fp8"
 
 
-def _ct_int(layout_name: str, bits: int, group: int, act_bits: int) -> tuple[QuantFormat, str]:
+def _int8_tokens(activations: dict[str, Any] | None) -> bool:
+    """Whether activations are int8, dynamic, symmetric, per token: computed as such."""
+    if not activations:
+        return False
+    return (
+        str(activations.get("type") or "int").lower() == "int"
+        and int(activations.get("num_bits", 8)) == 8
+        and bool(activations.get("dynamic"))
+        and activations.get("symmetric", True)
+        and str(activations.get("strategy") or "token").lower() == "token"
+    )
+
+
+def _ct_int(
+    layout_name: str, bits: int, group: int, act_bits: int, int8_tokens: bool
+) -> tuple[QuantFormat, str]:
     name = f"compressed-tensors:w{bits}a{act_bits}"
     if layout_name == "pack-quantized" and bits in (4, 8):
         zero = 8 if bits == 4 else 0
         return QuantFormat(name, bits=bits, group_size=group, zero=zero), "ct-pack"
     if layout_name in ("int-quantized", "naive-quantized") and bits == 8:
-        return QuantFormat(name, bits=8, group_size=group, zero=0), "ct-int"
+        act_int8 = int8_tokens and group == 0  # per-channel weights: one scale a row
+        fmt = QuantFormat(name, bits=8, group_size=group, zero=0, act_int8=act_int8)
+        return fmt, "ct-int"
     raise ValueError(
         f"compressed-tensors format {layout_name!r} with {bits}-bit weights is not supported"
     )
 
 
 def _weight_only_note(fmt: QuantFormat, activations: dict[str, Any] | None) -> str | None:
-    if not activations:
+    if not activations or fmt.act_int8:
         return None
     how = "dynamic" if activations.get("dynamic") else "static"
     kind = "fp8" if str(activations.get("type") or "int").lower() == "float" else "int8"

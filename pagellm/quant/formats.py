@@ -42,6 +42,10 @@ class QuantFormat:
     kind: str = "int"
     """What a code is: ``int`` (an integer), or ``fp8_e4m3`` (an E4M3 float byte; 8 bits,
     zero 0, no offsets)."""
+    act_int8: bool = False
+    """Activations are quantized per token to int8 (dynamic, symmetric: see
+    ``quantize_activations_int8``) and multiplied with the codes as integers, compressed-tensors'
+    W8A8: 8-bit integer codes, zero 0, no offsets, one scale per row."""
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -52,6 +56,14 @@ class QuantFormat:
             raise ValueError(f"{self.name}: element kind {self.kind!r} is not one of {KINDS}")
         if self.fp8 and (self.bits != 8 or self.zero != 0 or self.offsets or self.act_order):
             raise ValueError(f"{self.name}: fp8 weights are 8 bits, zero 0, with no offsets")
+        if self.act_int8 and (
+            self.bits != 8 or self.kind != "int" or self.zero != 0 or self.offsets
+            or self.group_size != 0 or self.act_order
+        ):  # fmt: skip
+            raise ValueError(
+                f"{self.name}: int8 activations need 8-bit integer weights with one scale per "
+                "row, zero 0 and no offsets"
+            )
 
     @property
     def fp8(self) -> bool:
@@ -157,6 +169,16 @@ class QuantizedWeight:
 KINDS = ("int", "fp8_e4m3")
 FP8_MAX = 448.0
 """The largest finite E4M3 (``float8_e4m3fn``) value."""
+
+
+def quantize_activations_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [..., k] per token (row) to int8 codes, held as float32, and float32 scales [..., 1]:
+    ``s = max|x| / 127`` (1 for an all-zero row), codes ``round-half-even(x / s)`` clamped to
+    [-128, 127] (compressed-tensors' dynamic per-token scheme, as vLLM quantizes W8A8 inputs)."""
+    xf = x.float()
+    s = xf.abs().amax(dim=-1, keepdim=True) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round(xf / s).clamp(-128, 127), s
 
 
 def fp8_nan_codes(q: torch.Tensor) -> int:

@@ -269,6 +269,7 @@ class CapturedDecoder:
                 if (
                     kernel is not None
                     and part.perm is None
+                    and not part.fmt.act_int8  # the module quantizes x first
                     and kernel.applies(x)
                     and x.shape[0] <= kernel.max_rows
                 ):

@@ -1,0 +1,82 @@
+"""Python face of the W8A8 kernel (quant_int8.cpp): activations quantized per token to int8 and
+multiplied with int8 weights as integers, on AMX-INT8 tiles; elsewhere the same quantization of
+x in C, then the weight-only kernels."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pagellm.kernels.cpu_build import build_library
+from pagellm.quant.formats import QuantizedWeight
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class QuantInt8Kernel:
+    """``quantize(x)`` per token, and ``x @ W^T`` of a W8A8 weight (``fmt.act_int8``)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        ptr, i = ctypes.c_void_p, ctypes.c_int
+        self._quantize = lib.quant_int8_quantize
+        self._quantize.restype = i
+        self._quantize.argtypes = [i, ptr, i, i, ptr, ptr, i]
+        self._linear = lib.quant_int8_linear
+        self._linear.restype = i
+        self._linear.argtypes = [i, ptr, ptr, ptr, ptr, i, i, i, i]
+        self.has_amx = bool(lib.quant_int8_has_amx())
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """int8 codes [m, k] and float32 scales [m, 1], as ``quantize_activations_int8``."""
+        x = x.contiguous()
+        m, k = x.shape
+        q = torch.empty(m, k, dtype=torch.int8)
+        s = torch.empty(m, 1, dtype=torch.float32)
+        args = (x.data_ptr(), m, k, q.data_ptr(), s.data_ptr(), torch.get_num_threads())
+        rc = self._quantize(_DTYPE_CODES[x.dtype], *args)
+        if rc != 0:
+            raise RuntimeError(f"quant_int8_quantize failed with code {rc}")
+        return q, s
+
+    def applies(self, x: torch.Tensor, w: QuantizedWeight) -> bool:
+        """Whether the AMX path takes this call (K a multiple of 64, fp32 or bf16 x)."""
+        return self.has_amx and x.dtype in _DTYPE_CODES and w.shape[1] % 64 == 0
+
+    def __call__(
+        self, x: torch.Tensor, w: QuantizedWeight, row_scales: torch.Tensor
+    ) -> torch.Tensor:
+        """``row_scales``: the weight's scales as float32 [n] (``row_scales(w)``, kept by the
+        caller)."""
+        x = x.contiguous()
+        m, k = x.shape
+        n = w.shape[0]
+        out = torch.empty(m, n, dtype=x.dtype)
+        rc = self._linear(
+            _DTYPE_CODES[x.dtype],
+            x.data_ptr(),
+            w.q.data_ptr(),
+            row_scales.data_ptr(),
+            out.data_ptr(),
+            m,
+            n,
+            k,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"quant_int8_linear failed with code {rc} ({w.fmt.name})")
+        return out
+
+
+def row_scales(w: QuantizedWeight) -> torch.Tensor:
+    """A per-row weight's scales as contiguous float32 [n]."""
+    return w.scales.float().reshape(-1).contiguous()
+
+
+def load_quant_int8_kernel() -> QuantInt8Kernel | None:
+    """The W8A8 kernel built for this CPU, or None without a compiler."""
+    # the documented order of the float products: no reassociation
+    lib = build_library(
+        "quant_int8.cpp", ("-fopenmp", "-ffp-contract=off", "-fno-associative-math")
+    )
+    return QuantInt8Kernel(lib) if lib is not None else None
