@@ -80,6 +80,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--checkpoints", default="",
                    help="more formats: NAME=DIR,... quantized checkpoints (e.g. from make "
                         "quantize-w4a16), loaded as their quantization_config says")  # fmt: skip
+    p.add_argument("--checkpoints-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="activations of the --checkpoints formats")  # fmt: skip
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run)
     return p
@@ -178,7 +180,8 @@ def _open(model: str, name: str, args: argparse.Namespace):
     from pagellm import LLM
 
     base, kv = _split(name)
-    dtype, quantization = FORMATS.get(base, ("float32", "auto"))  # a checkpoint: as it says
+    # a checkpoint: quantized as it says, activations in --checkpoints-dtype
+    dtype, quantization = FORMATS.get(base, (args.checkpoints_dtype, "auto"))
     return LLM(model, dtype=dtype, quantization=quantization, max_model_len=args.max_model_len,
                kv_cache_memory=args.kv_cache_memory, max_num_seqs=256,
                kv_cache_dtype=kv)  # fmt: skip

@@ -29,23 +29,31 @@ namespace {
 
 using namespace pagellm;
 
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+#endif
+
 // Row t of x (fp32 or bf16 bits) quantized into q[k]; returns its scale.
 template <typename T>
 float quantize_row(const T* x, int k, int8_t* q) {
   float amax = 0.f;
-  for (int i = 0; i < k; ++i) amax = std::max(amax, std::abs(to_float(x[i])));
+  int j = 0;
+#if defined(__AVX512F__)
+  __m512 mv = _mm512_setzero_ps();
+  for (; j + 16 <= k; j += 16) mv = _mm512_max_ps(mv, _mm512_abs_ps(load16(x + j)));
+  amax = _mm512_reduce_max_ps(mv);
+#endif
+  for (; j < k; ++j) amax = std::max(amax, std::abs(to_float(x[j])));
   const float s = amax > 0.f ? amax / 127.f : 1.f;
   int i = 0;
 #if defined(__AVX512F__)
   const __m512 sv = _mm512_set1_ps(s);
   for (; i + 16 <= k; i += 16) {
-    __m512 v;
-    if constexpr (sizeof(T) == 4) {
-      v = _mm512_loadu_ps(reinterpret_cast<const float*>(x) + i);
-    } else {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
-      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-    }
+    const __m512 v = load16(x + i);
     // the current rounding mode (nearest-even) as torch.round; then saturate to int8
     const __m512i r = _mm512_cvtps_epi32(_mm512_div_ps(v, sv));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(r));
