@@ -58,10 +58,25 @@ def test_decoded_weights_are_the_reference_rounded_to_bf16(tiles, name):
 def test_tiles_match_the_bf16_matmul_of_the_decoded_weights(tiles, name, rows):
     w = _weight(name, 72, 256, seed=rows)
     x = torch.randn(rows, 256).bfloat16()
-    ref = x.float() @ w.dequantize().bfloat16().float().t()
+    weight = w.dequantize() if tiles.scales_sums(w) else w.dequantize().bfloat16().float()
+    ref = x.float() @ weight.t()
     got = tiles(x, w).float()
     # exact products, fp32 sums in another order, one bf16 rounding of the result
     torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+
+
+def test_per_channel_8_bit_weights_scale_the_sums():
+    tiles = load_quant_tiles_kernel()
+    for name in ("int8", "fp8"):
+        w = _weight(name, 72, 256)
+        assert tiles.scales_sums(w)
+        x = torch.randn(64, 256).bfloat16()
+        exact = (x.float() @ w.dequantize().t()).bfloat16().float()
+        rounded = (x.float() @ w.dequantize().bfloat16().float().t()).bfloat16().float()
+        got = tiles(x, w).float()
+        # the exact weights' result (fp32 sums, one final rounding), not the rounded weights'
+        assert (got - exact).abs().mean() < 0.2 * (got - rounded).abs().mean()
+    assert not any(tiles.scales_sums(_weight(n, 72, 256)) for n in ("q8_0", "q4_1", "fp8_g32"))
 
 
 def test_paths_agree_with_each_other():
@@ -85,6 +100,7 @@ def test_each_route_takes_its_rows_and_computes_its_reference(path):
         x = torch.randn(rows, 128).bfloat16()
         assert kernel.bf16_route(x, w) == route, rows
         assert kernel.bf16_route(x.float(), w) is None  # fp32 keeps the exact paths
+        assert kernel.rounds_weights_to_bf16(x, w) == (route is not None)
         ref = x.float() @ (exact if route is None else rounded).t()
         torch.testing.assert_close(kernel(x, w).float(), ref, rtol=1e-2, atol=1e-2)
         if route is not None:  # the captured steps' bound call computes the same

@@ -64,7 +64,7 @@ def test_kernel_matches_the_dequantized_matmul(kernel, name, rows):
     torch.testing.assert_close(kernel(x, w), ref, rtol=1e-4, atol=1e-4)
     xb = x.bfloat16()
     wb = w.dequantize()
-    if kernel.bf16_route(xb, w):  # bf16 steps of many rows multiply the weights in bf16 too
+    if kernel.rounds_weights_to_bf16(xb, w):  # bf16 steps of many rows: bf16 weights
         wb = wb.bfloat16().float()
     ref_b = (xb.float() @ wb.t()).bfloat16()
     torch.testing.assert_close(kernel(xb, w), ref_b, rtol=2e-2, atol=5e-2)

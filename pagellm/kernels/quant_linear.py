@@ -87,6 +87,19 @@ class QuantTilesKernel:
         k = w.shape[1]
         return k % 32 == 0 and w.fmt.group(k) % 16 == 0
 
+    @staticmethod
+    def scales_sums(w: QuantizedWeight) -> bool:
+        """8-bit codes with one scale a row and no zero point or offset (per-channel int8, FP8):
+        the tiles multiply the codes (exact in bf16) and scale each sum, so the weights are not
+        rounded; other formats' decoded weights are the reference rounded to bf16."""
+        fmt = w.fmt
+        return (
+            fmt.bits == 8
+            and fmt.group(w.shape[1]) == w.shape[1]
+            and fmt.zero == 0
+            and (not fmt.offsets)
+        )
+
     def __call__(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
         rc = self.bind(x, w, out)()
@@ -154,6 +167,11 @@ class QuantLinearKernel:
             self.int8.quantize(x) if self.int8 is not None else quantize_activations_int8(x)
         )
         return (self(codes.float(), w) * scales).to(x.dtype)
+
+    def rounds_weights_to_bf16(self, x: torch.Tensor, w: QuantizedWeight) -> bool:
+        """Whether this call multiplies x by W rounded to bf16 (else by W exactly)."""
+        route = self.bf16_route(x, w)
+        return route == "panels" or (route == "tiles" and not self.tiles.scales_sums(w))
 
     def bf16_route(self, x: torch.Tensor, w: QuantizedWeight) -> str | None:
         """``"tiles"`` or ``"panels"`` where this call multiplies W rounded to bf16 (bf16 x on a

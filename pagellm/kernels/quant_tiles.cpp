@@ -7,7 +7,9 @@
 // (+ offset), fp8 value * scale, in that order with no contraction (this file is built with
 // -ffp-contract=off -fno-associative-math), then round-to-nearest-even. That is what `dequantize().to(bfloat16)` gives,
 // the weight a bf16 model of the dequantized checkpoint holds; products are exact in fp32 and
-// accumulate in fp32.
+// accumulate in fp32. 8-bit codes with one scale a row and no zero point (per-channel int8,
+// FP8) are decoded without their scale (the codes are exact in bf16) and each sum is scaled
+// once instead: the weights are then not rounded at all (per_row).
 //
 // Paths:
 //   2  AMX (Xeon Sapphire Rapids and later). Features are the A tiles (16 rows of 32 bf16 inputs:
@@ -56,8 +58,14 @@ inline __m512 codes16(const uint8_t* row, int c) {
 struct RowConsts {
   std::vector<float> s, z, o;
 
-  void load(const Layout& L, int n) {
+  // unit: the row's own scale left out (per_row below: applied to the sums instead)
+  void load(const Layout& L, int n, bool unit) {
     const int groups = L.groups();
+    if (unit) {
+      if (s.size() < 16) s.resize(16), z.resize(16), o.resize(16);
+      s[0] = L.fp8 ? FP8_SCALE : 1.f, z[0] = 0.f, o[0] = 0.f;
+      return;
+    }
     const int64_t first = static_cast<int64_t>(n) * groups;
     if (static_cast<int>(s.size()) < groups + 16) s.resize(groups + 16), z.resize(groups + 16), o.resize(groups + 16);
     for (int g = 0; g < groups; g += 16) {
@@ -130,7 +138,7 @@ inline __m512i step4(const uint8_t* row, int c, const RowView& k, int& table_gro
 // s * step_stride; features [rows, pad) are zeros.
 template <Code C>
 void decode_rows(const Layout& L, int n0, int rows, int pad, uint16_t* dst, int64_t row_stride,
-                 int64_t step_stride) {
+                 int64_t step_stride, bool unit) {
   const int steps = L.k / KS;
   thread_local RowConsts consts;
   thread_local std::vector<int> group_of;
@@ -144,7 +152,7 @@ void decode_rows(const Layout& L, int n0, int rows, int pad, uint16_t* dst, int6
     }
     const int n = n0 + r;
     const uint8_t* row = L.q + n * L.row_bytes();
-    consts.load(L, n);
+    consts.load(L, n, unit);
     const RowView view{consts.s.data(), consts.z.data(), consts.o.data(), group_of.data(),
                        L.offsets != nullptr};
     int table_group = -1;
@@ -164,11 +172,18 @@ void decode_rows(const Layout& L, int n0, int rows, int pad, uint16_t* dst, int6
 // Features [n0, n0 + rows) (rows <= 16; the rest zero) into dst[K/32][16][32] bf16: step s of
 // feature r is dst + s * STEP + r * 32, an A tile per step.
 template <Code C>
-void decode_block(const Layout& L, int n0, int rows, uint16_t* dst) {
-  decode_rows<C>(L, n0, rows, FB, dst, KS, STEP);
+void decode_block(const Layout& L, int n0, int rows, uint16_t* dst, bool unit) {
+  decode_rows<C>(L, n0, rows, FB, dst, KS, STEP, unit);
 }
 
-using DecodeFn = void (*)(const Layout&, int, int, uint16_t*);
+// 8-bit codes with one scale a row and no zero point or offset (per-channel int8, FP8): every
+// code is exact in bf16, so the tiles multiply the codes and scale each sum once (one rounding
+// fewer than scaling each weight first).
+inline bool per_row(const Layout& L) {
+  return L.bits == 8 && L.groups() == 1 && !L.zeros && L.zero_const == 0 && !L.offsets;
+}
+
+using DecodeFn = void (*)(const Layout&, int, int, uint16_t*, bool);
 
 inline DecodeFn decoder_for(const Layout& L) {
   if (L.fp8) return decode_block<FP8_E4M3>;
@@ -194,12 +209,19 @@ inline void my_blocks(int blocks, int t, int threads, int& lo, int& hi) {
 
 struct Call {
   Layout L;
-  const uint16_t* x;  // [m][k] bf16
-  uint16_t* out;      // [m][n] bf16
+  const uint16_t* x;        // [m][k] bf16
+  uint16_t* out;            // [m][n] bf16
   int m, n;
+  const float* col_scale;   // [n]: per_row's scales, applied to the sums (null: none)
   int steps() const { return L.k / KS; }
   int rows_of(int block) const { return std::min(FB, n - block * FB); }
 };
+
+// The sums of features [f0, f0 + cols) times their scales (when the call has them).
+inline __m512 scaled(const Call& c, __m512 v, int f0, int cols) {
+  if (c.col_scale == nullptr) return v;
+  return _mm512_mul_ps(v, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << cols) - 1), c.col_scale + f0));
+}
 
 // Cache blocking of path 2 (GEMM's usual): a thread decodes a panel of its feature blocks (all
 // of K, about PANEL_KB) once, then multiplies it by x a chunk of rows at a time (about CHUNK_KB
@@ -252,7 +274,8 @@ void rows_dp(const Call& c, const uint16_t* blks, int b0, int t0) {
   for (int j = 0; j < NBK; ++j) {
     const int cols = c.rows_of(b0 + j);
     for (int r = 0; r < R; ++r)
-      store_bf16(c.out + static_cast<int64_t>(t0 + r) * c.n + (b0 + j) * FB, acc[r][j], cols);
+      store_bf16(c.out + static_cast<int64_t>(t0 + r) * c.n + (b0 + j) * FB,
+                 scaled(c, acc[r][j], (b0 + j) * FB, cols), cols);
   }
 }
 
@@ -276,7 +299,7 @@ void run_path1(const Call& c, int threads) {
       const int nb = std::min(2, hi - b);
       for (int j = 0; j < nb; ++j) {
         uint16_t* blk = buf + static_cast<size_t>(j) * steps * STEP;
-        decode(c.L, (b + j) * FB, c.rows_of(b + j), blk);
+        decode(c.L, (b + j) * FB, c.rows_of(b + j), blk, c.col_scale != nullptr);
         to_pairs(blk, steps);
       }
       if (nb == 2) {
@@ -315,7 +338,7 @@ void store_tile(const Call& c, const float* tile, int block, int tb) {
   const int cols = c.rows_of(block), rows = std::min(16, c.m - tb * 16);
   for (int t = 0; t < rows; ++t)
     store_bf16(c.out + static_cast<int64_t>(tb * 16 + t) * c.n + block * FB,
-               reinterpret_cast<__m512>(r[t]), cols);
+               scaled(c, reinterpret_cast<__m512>(r[t]), block * FB, cols), cols);
 }
 
 // A pass's C tiles wait in memory until the next pass's products are issued: vector loads of a
@@ -397,7 +420,8 @@ void run_path2(const Call& c, int threads) {
     Outbox box;
     for (int b = lo; b < hi; b += panel) {
       const int nb = std::min(panel, hi - b);
-      for (int j = 0; j < nb; ++j) decode(c.L, (b + j) * FB, c.rows_of(b + j), buf + j * blk);
+      for (int j = 0; j < nb; ++j)
+        decode(c.L, (b + j) * FB, c.rows_of(b + j), buf + j * blk, c.col_scale != nullptr);
       for (int t0 = 0; t0 < tblocks; t0 += chunk) {
         const int t1 = std::min(tblocks, t0 + chunk);
         for (int tb = t0; tb < t1; tb += 2) {
@@ -441,7 +465,12 @@ extern "C" int quant_tiles_linear(int path, const uint16_t* x, const uint8_t* q,
   if (group <= 0 || k % group != 0 || group % 16 != 0 || k % 32 != 0) return 5;
   if (path < 1 || path > best_path()) return 6;
 #if defined(__AVX512BF16__)
-  const Call c{L, x, out, m, n};
+  thread_local std::vector<float> col_scale;
+  if (per_row(L)) {
+    col_scale.resize(n);
+    for (int j = 0; j < n; ++j) col_scale[j] = L.value(L.scales, j, 0);
+  }
+  const Call c{L, x, out, m, n, per_row(L) ? col_scale.data() : nullptr};
   threads = std::max(1, std::min(threads, (n + FB - 1) / FB));
 #if defined(PAGELLM_HAS_AMX)
   if (path == 2) {
@@ -474,11 +503,11 @@ extern "C" int quant_tiles_dequantize(const uint8_t* q, const void* scales, cons
     const int r0 = i * FB, count = std::min(FB, rows - r0);
     uint16_t* dst = out + static_cast<int64_t>(r0) * k;
     if (L.fp8) {
-      decode_rows<FP8_E4M3>(L, row0 + r0, count, count, dst, k, KS);
+      decode_rows<FP8_E4M3>(L, row0 + r0, count, count, dst, k, KS, false);
     } else if (bits == 8) {
-      decode_rows<INT8>(L, row0 + r0, count, count, dst, k, KS);
+      decode_rows<INT8>(L, row0 + r0, count, count, dst, k, KS, false);
     } else {
-      decode_rows<INT4>(L, row0 + r0, count, count, dst, k, KS);
+      decode_rows<INT4>(L, row0 + r0, count, count, dst, k, KS, false);
     }
   }
   return 0;
