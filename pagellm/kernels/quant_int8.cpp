@@ -22,6 +22,7 @@
 #include <omp.h>
 
 #include "amx_common.h"
+#include "amx_pass.h"
 #include "cpu_common.h"
 #include "tile_transpose.h"
 
@@ -92,20 +93,6 @@ struct Call {
   int rows_of(int block) const { return std::min(FB, n - block * FB); }
 };
 
-// Item (token block, step) of x's codes as a B tile: row j = input quad j of each of 16 tokens.
-void pack_item(const Call& c, int item, uint32_t* xp) {
-  const int tb = item / c.steps(), s = item % c.steps();
-  __m512i r[16];
-  for (int i = 0; i < 16; ++i) {
-    const int t = tb * 16 + i;
-    r[i] = t < c.m ? _mm512_loadu_si512(c.xq + static_cast<int64_t>(t) * c.k + s * KS)
-                   : _mm512_setzero_si512();
-  }
-  transpose16(r);
-  uint32_t* dst = xp + static_cast<int64_t>(item) * 256;
-  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + i * 16, r[i]);
-}
-
 // One C^T tile [16 features][16 tokens] (int32) scaled into out, transposed.
 void store_tile(const Call& c, const int32_t* tile, int block, int tb) {
   __m512i r[16];
@@ -127,65 +114,6 @@ void store_tile(const Call& c, const int32_t* tile, int block, int tb) {
   }
 }
 
-// A pass's C tiles, turned out while the next pass's products run (see quant_tiles.cpp).
-struct Outbox {
-  alignas(64) int32_t tiles[4][256];
-  int block = 0, tb = 0;
-  bool two_t = false, two_n = false, full = false;
-
-  void flush(const Call& c) {
-    if (!full) return;
-    store_tile(c, tiles[0], block, tb);
-    if (two_t) store_tile(c, tiles[1], block, tb + 1);
-    if (two_n) {
-      store_tile(c, tiles[2], block + 1, tb);
-      if (two_t) store_tile(c, tiles[3], block + 1, tb + 1);
-    }
-    full = false;
-  }
-};
-
-// Tiles: 0-3 C (0 = (block a, tokens tb), 1 = (a, tb+1), 2 = (a+1, tb), 3 = (a+1, tb+1)), 4-5 A
-// (weight rows of blocks a, a+1: stride k), 6-7 B.
-void amx_pass(const Call& c, const int8_t* a0, const int8_t* a1, int64_t a_stride,
-              const uint32_t* xp, int tb, bool two_t, int block, Outbox& box) {
-  const int steps = c.steps();
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  const uint32_t* b0 = xp + static_cast<int64_t>(tb) * steps * 256;
-  const uint32_t* b1 = b0 + static_cast<int64_t>(steps) * 256;
-  for (int s = 0; s < steps; ++s) {
-    _tile_loadd(4, a0 + s * KS, a_stride);
-    _tile_loadd(6, b0 + s * 256, 64);
-    _tile_dpbssd(0, 4, 6);
-    if (a1 != nullptr) {
-      _tile_loadd(5, a1 + s * KS, a_stride);
-      _tile_dpbssd(2, 5, 6);
-    }
-    if (two_t) {
-      _tile_loadd(7, b1 + s * 256, 64);
-      _tile_dpbssd(1, 4, 7);
-      if (a1 != nullptr) _tile_dpbssd(3, 5, 7);
-    }
-  }
-  box.flush(c);
-  _tile_stored(0, box.tiles[0], 64);
-  if (two_t) _tile_stored(1, box.tiles[1], 64);
-  if (a1 != nullptr) {
-    _tile_stored(2, box.tiles[2], 64);
-    if (two_t) _tile_stored(3, box.tiles[3], 64);
-  }
-  box.block = block, box.tb = tb, box.two_t = two_t, box.two_n = a1 != nullptr, box.full = true;
-}
-
-inline void my_blocks(int blocks, int t, int threads, int& lo, int& hi) {
-  const int base = blocks / threads, extra = blocks % threads;
-  lo = t * base + std::min(t, extra);
-  hi = lo + base + (t < extra ? 1 : 0);
-}
-
 // Row blocks of packed x kept in L2 while a thread's weight blocks pass over them.
 constexpr int CHUNK_KB = 512;
 
@@ -199,12 +127,16 @@ void run_amx(const Call& c, int threads) {
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
-    for (int i = 0; i < items; ++i) pack_item(c, i, xp);
+    for (int i = 0; i < items; ++i)
+      pack_b_item(reinterpret_cast<const char*>(c.xq), c.k, c.m, steps, i, xp);
     amx_load_config();
     int lo, hi;
     my_blocks(blocks, omp_get_thread_num(), omp_get_num_threads(), lo, hi);
     std::vector<int8_t> pad;  // the last block's rows and zero rows, when n is not a multiple
-    Outbox box;
+    Outbox<int32_t> box;
+    const auto store = [&c](const int32_t* tile, int block, int tb) {
+      store_tile(c, tile, block, tb);
+    };
     for (int t0 = 0; t0 < tblocks; t0 += chunk) {
       const int t1 = std::min(tblocks, t0 + chunk);
       for (int b = lo; b < hi; b += 2) {
@@ -217,10 +149,16 @@ void run_amx(const Call& c, int threads) {
             a[j] = pad.data();
           }
         }
-        for (int tb = t0; tb < t1; tb += 2) amx_pass(c, a[0], a[1], c.k, xp, tb, tb + 1 < t1, b, box);
+        for (int tb = t0; tb < t1; tb += 2) {
+          const auto* bt = reinterpret_cast<const char*>(xp + static_cast<int64_t>(tb) * steps * 256);
+          const PassTiles tiles{reinterpret_cast<const char*>(a[0]),
+                                reinterpret_cast<const char*>(a[1]), KS, c.k, bt,
+                                static_cast<int64_t>(steps) * 1024};
+          amx_pass<true>(tiles, steps, tb + 1 < t1, b, tb, box, store);
+        }
       }
     }
-    box.flush(c);
+    box.flush(store);
     _tile_release();
   }
 }

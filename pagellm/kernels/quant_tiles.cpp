@@ -28,6 +28,7 @@
 #include <omp.h>
 
 #include "amx_common.h"
+#include "amx_pass.h"
 #include "quant_layout.h"
 #include "tile_transpose.h"
 
@@ -200,13 +201,6 @@ inline void store_bf16(uint16_t* dst, __m512 v, int cols) {
   }
 }
 
-// The 16-feature blocks [lo, hi) of thread t of `threads`: contiguous, as even as can be.
-inline void my_blocks(int blocks, int t, int threads, int& lo, int& hi) {
-  const int base = blocks / threads, extra = blocks % threads;
-  lo = t * base + std::min(t, extra);
-  hi = lo + base + (t < extra ? 1 : 0);
-}
-
 struct Call {
   Layout L;
   const uint16_t* x;        // [m][k] bf16
@@ -314,22 +308,6 @@ void run_path1(const Call& c, int threads) {
 // ----- path 2: AMX tiles --------------------------------------------------------------------
 
 #if defined(PAGELLM_HAS_AMX)
-// x as B tiles: [m/16 row blocks][steps][16 pairs][16 rows] (a tile per (row block, step),
-// rows past m zero). Item i of `items` = (row block, step).
-void pack_x_item(const Call& c, int item, uint32_t* xp) {
-  const int steps = c.steps();
-  const int tb = item / steps, s = item % steps;
-  __m512i r[16];
-  for (int i = 0; i < 16; ++i) {
-    const int t = tb * 16 + i;
-    r[i] = t < c.m ? _mm512_loadu_si512(c.x + static_cast<int64_t>(t) * c.L.k + s * KS)
-                   : _mm512_setzero_si512();
-  }
-  transpose16(r);
-  uint32_t* dst = xp + static_cast<int64_t>(item) * 256;
-  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + i * 16, r[i]);
-}
-
 // One C^T tile [16 features][16 rows of x] (fp32, stride 16) into out, transposed.
 void store_tile(const Call& c, const float* tile, int block, int tb) {
   __m512i r[16];
@@ -339,63 +317,6 @@ void store_tile(const Call& c, const float* tile, int block, int tb) {
   for (int t = 0; t < rows; ++t)
     store_bf16(c.out + static_cast<int64_t>(tb * 16 + t) * c.n + block * FB,
                scaled(c, reinterpret_cast<__m512>(r[t]), block * FB, cols), cols);
-}
-
-// A pass's C tiles wait in memory until the next pass's products are issued: vector loads of a
-// tile just stored stall (measured: ~0.3 ms of a 0.8 ms 256 x 576 x 3072 call), while by the
-// next pass the stores have landed, and the vector units turn one pass out while the AMX unit
-// computes the next.
-struct Outbox {
-  alignas(64) float tiles[4][256];
-  int block = 0, tb = 0;
-  bool two_t = false, two_n = false, full = false;
-
-  void flush(const Call& c) {
-    if (!full) return;
-    store_tile(c, tiles[0], block, tb);
-    if (two_t) store_tile(c, tiles[1], block, tb + 1);
-    if (two_n) {
-      store_tile(c, tiles[2], block + 1, tb);
-      if (two_t) store_tile(c, tiles[3], block + 1, tb + 1);
-    }
-    full = false;
-  }
-};
-
-// Tiles: 0-3 C (features block a / a+1 x rows block tb / tb+1: 0 = (a, tb), 1 = (a, tb+1),
-// 2 = (a+1, tb), 3 = (a+1, tb+1)), 4-5 A (the two feature blocks), 6-7 B (the two row blocks).
-// The previous pass's outbox is emptied while this pass's products run, then refilled.
-void amx_pass(const Call& c, const uint16_t* a0, const uint16_t* a1, const uint32_t* xp, int tb,
-              bool two_t, int block, Outbox& box) {
-  const int steps = c.steps();
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  const uint32_t* b0 = xp + static_cast<int64_t>(tb) * steps * 256;
-  const uint32_t* b1 = b0 + static_cast<int64_t>(steps) * 256;
-  for (int s = 0; s < steps; ++s) {
-    _tile_loadd(4, a0 + s * STEP, 64);
-    _tile_loadd(6, b0 + s * 256, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if (a1 != nullptr) {
-      _tile_loadd(5, a1 + s * STEP, 64);
-      _tile_dpbf16ps(2, 5, 6);
-    }
-    if (two_t) {
-      _tile_loadd(7, b1 + s * 256, 64);
-      _tile_dpbf16ps(1, 4, 7);
-      if (a1 != nullptr) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  box.flush(c);
-  _tile_stored(0, box.tiles[0], 64);
-  if (two_t) _tile_stored(1, box.tiles[1], 64);
-  if (a1 != nullptr) {
-    _tile_stored(2, box.tiles[2], 64);
-    if (two_t) _tile_stored(3, box.tiles[3], 64);
-  }
-  box.block = block, box.tb = tb, box.two_t = two_t, box.two_n = a1 != nullptr, box.full = true;
 }
 
 void run_path2(const Call& c, int threads) {
@@ -408,7 +329,8 @@ void run_path2(const Call& c, int threads) {
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
-    for (int i = 0; i < items; ++i) pack_x_item(c, i, xp);
+    for (int i = 0; i < items; ++i)
+      pack_b_item(reinterpret_cast<const char*>(c.x), c.L.k * 2, c.m, steps, i, xp);
     amx_load_config();
     int lo, hi;
     my_blocks(blocks, omp_get_thread_num(), omp_get_num_threads(), lo, hi);
@@ -417,7 +339,10 @@ void run_path2(const Call& c, int threads) {
     const int panel = std::max<int>(2, (QT_PANEL_KB << 10) / (blk * 2) / 2 * 2);
     const int chunk = std::max<int>(2, (QT_CHUNK_KB << 10) / (static_cast<size_t>(steps) * 1024) / 2 * 2);
     uint16_t* buf = block_buffer(std::min(panel, hi - lo) * blk);
-    Outbox box;
+    Outbox<float> box;
+    const auto store = [&c](const float* tile, int block, int tb) {
+      store_tile(c, tile, block, tb);
+    };
     for (int b = lo; b < hi; b += panel) {
       const int nb = std::min(panel, hi - b);
       for (int j = 0; j < nb; ++j)
@@ -426,13 +351,16 @@ void run_path2(const Call& c, int threads) {
         const int t1 = std::min(tblocks, t0 + chunk);
         for (int tb = t0; tb < t1; tb += 2) {
           for (int j = 0; j < nb; j += 2) {
-            const uint16_t* a1 = j + 1 < nb ? buf + (j + 1) * blk : nullptr;
-            amx_pass(c, buf + j * blk, a1, xp, tb, tb + 1 < t1, b + j, box);
+            const auto* a0 = reinterpret_cast<const char*>(buf + j * blk);
+            const char* a1 = j + 1 < nb ? a0 + blk * 2 : nullptr;
+            const auto* bt = reinterpret_cast<const char*>(xp + static_cast<int64_t>(tb) * steps * 256);
+            const PassTiles tiles{a0, a1, STEP * 2, 64, bt, static_cast<int64_t>(steps) * 1024};
+            amx_pass<false>(tiles, steps, tb + 1 < t1, b + j, tb, box, store);
           }
         }
       }
     }
-    box.flush(c);
+    box.flush(store);
     _tile_release();
   }
 }
