@@ -59,14 +59,8 @@ inline __m512 codes16(const uint8_t* row, int c) {
 struct RowConsts {
   std::vector<float> s, z, o;
 
-  // unit: the row's own scale left out (per_row below: applied to the sums instead)
-  void load(const Layout& L, int n, bool unit) {
+  void load(const Layout& L, int n) {
     const int groups = L.groups();
-    if (unit) {
-      if (s.size() < 16) s.resize(16), z.resize(16), o.resize(16);
-      s[0] = L.fp8 ? FP8_SCALE : 1.f, z[0] = 0.f, o[0] = 0.f;
-      return;
-    }
     const int64_t first = static_cast<int64_t>(n) * groups;
     if (static_cast<int>(s.size()) < groups + 16) s.resize(groups + 16), z.resize(groups + 16), o.resize(groups + 16);
     for (int g = 0; g < groups; g += 16) {
@@ -153,7 +147,7 @@ void decode_rows(const Layout& L, int n0, int rows, int pad, uint16_t* dst, int6
     }
     const int n = n0 + r;
     const uint8_t* row = L.q + n * L.row_bytes();
-    consts.load(L, n, unit);
+    if (!unit) consts.load(L, n);  // unit (per_row below): the codes alone, scaled later
     const RowView view{consts.s.data(), consts.z.data(), consts.o.data(), group_of.data(),
                        L.offsets != nullptr};
     int table_group = -1;
@@ -162,6 +156,9 @@ void decode_rows(const Layout& L, int n0, int rows, int pad, uint16_t* dst, int6
       __m512i v;
       if constexpr (C == INT4) {
         v = step4(row, s * KS, view, table_group, table);
+      } else if (unit) {  // the codes themselves (fp8: value / 256), exact in bf16
+        v = reinterpret_cast<__m512i>(
+            _mm512_cvtne2ps_pbh(codes16<C>(row, s * KS + 16), codes16<C>(row, s * KS)));
       } else {
         v = step8<C>(row, s * KS, view);
       }
@@ -396,7 +393,7 @@ extern "C" int quant_tiles_linear(int path, const uint16_t* x, const uint8_t* q,
   thread_local std::vector<float> col_scale;
   if (per_row(L)) {
     col_scale.resize(n);
-    for (int j = 0; j < n; ++j) col_scale[j] = L.value(L.scales, j, 0);
+    for (int j = 0; j < n; ++j) col_scale[j] = L.scale(j, 0);  // fp8: x 256, as decoded
   }
   const Call c{L, x, out, m, n, per_row(L) ? col_scale.data() : nullptr};
   threads = std::max(1, std::min(threads, (n + FB - 1) / FB));
