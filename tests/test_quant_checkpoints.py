@@ -94,6 +94,26 @@ def _ct_w4_parts(w):
     return parts, deq
 
 
+def _ct_w4_asym_parts(w):
+    """llm-compressor's AWQ layout: asymmetric 4-bit groups packed by compressed-tensors' own
+    compressor (zero points too); the reference is its own fake quantization."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
+    args = QuantizationArgs(
+        num_bits=4, type="int", symmetric=False, strategy="group", group_size=GROUP
+    )
+    out, n = w.shape
+    g = w.reshape(out, n // GROUP, GROUP)
+    low, high = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    scale = ((high - low) / 15).clamp(min=1e-6)
+    zero = (-8 - torch.round(low / scale)).clamp(-8, 7).to(torch.int8)
+    state = {"weight": w, "weight_scale": scale, "weight_zero_point": zero}
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    return PackedQuantizationCompressor.compress(state, scheme), fake_quantize(w, scale, zero, args)
+
+
 def _ct_w8_parts(w):
     s = (w.abs().amax(-1, keepdim=True) / 127).bfloat16()
     q = torch.round(w / s.float()).clamp(-127, 127).to(torch.int8)
@@ -157,6 +177,13 @@ SCHEMES = {
                                     "weights": {"num_bits": 4, "type": "int", "symmetric": True,
                                                 "strategy": "group", "group_size": GROUP}}},
                   "ignore": ["lm_head"]}),
+    "ct-w4a16-asym": (_ct_w4_asym_parts,
+                      {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                       "config_groups": {"group_0": {
+                           "targets": ["Linear"], "input_activations": None,
+                           "weights": {"num_bits": 4, "type": "int", "symmetric": False,
+                                       "strategy": "group", "group_size": GROUP}}},
+                       "ignore": ["lm_head"]}),
     "ct-w8a16": (_ct_w8_parts,
                  {"quant_method": "compressed-tensors", "format": "int-quantized",
                   "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
@@ -171,6 +198,7 @@ SCHEMES.update({
 })  # fmt: skip
 FORMAT_NAMES = {
     "ct-w4a16": "compressed-tensors:w4a16",
+    "ct-w4a16-asym": "compressed-tensors:w4a16-asym",
     "ct-w8a16": "compressed-tensors:w8a16",
     "ct-w8a8": "compressed-tensors:w8a8",
     "ct-fp8-dynamic": "compressed-tensors:fp8",

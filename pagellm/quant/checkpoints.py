@@ -43,10 +43,11 @@ _PARTS = {
     "awq": ("qweight", "qzeros", "scales"),
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
     "ct-pack": ("weight_packed", "weight_scale"),
+    "ct-pack-zp": ("weight_packed", "weight_scale", "weight_zero_point"),
     "ct-int": ("weight", "weight_scale"),
     "ct-fp8": ("weight", "weight_scale"),
 }
-_OPTIONAL = {"ct-pack": ("weight_shape",)}
+_OPTIONAL = {"ct-pack": ("weight_shape",), "ct-pack-zp": ("weight_shape",)}
 
 
 @dataclass(frozen=True)
@@ -140,8 +141,7 @@ def _compressed_tensors(qc: dict[str, Any]) -> CheckpointQuant:
     weights = scheme.get("weights") or {}
     if scheme.get("output_activations"):
         raise ValueError("compressed-tensors with quantized output activations is not supported")
-    if not weights.get("symmetric", True):
-        raise ValueError("compressed-tensors: only symmetric weights are supported")
+    symmetric = bool(weights.get("symmetric", True))
     bits = int(weights.get("num_bits", 8))
     strategy = str(weights.get("strategy") or "channel").lower()
     group = int(weights.get("group_size") or 0) if strategy == "group" else 0
@@ -150,9 +150,13 @@ def _compressed_tensors(qc: dict[str, Any]) -> CheckpointQuant:
     layout_name = str(scheme.get("format") or qc.get("format") or "").lower()
     kind = str(weights.get("type") or "int").lower()
     if kind == "float":
+        if not symmetric:
+            raise ValueError("compressed-tensors: asymmetric float weights are not supported")
         fmt, layout = _ct_float(layout_name, bits, group)
     elif kind == "int":
-        fmt, layout = _ct_int(layout_name, bits, group, act_bits, _int8_tokens(activations))
+        fmt, layout = _ct_int(
+            layout_name, bits, group, act_bits, _int8_tokens(activations), symmetric
+        )
     else:
         raise ValueError(f"compressed-tensors {kind!r} weights are not supported")
     if strategy not in ("group", "channel", "tensor"):
@@ -227,9 +231,15 @@ def _int8_tokens(activations: dict[str, Any] | None) -> bool:
 
 
 def _ct_int(
-    layout_name: str, bits: int, group: int, act_bits: int, int8_tokens: bool
+    layout_name: str, bits: int, group: int, act_bits: int, int8_tokens: bool, symmetric: bool
 ) -> tuple[QuantFormat, str]:
     name = f"compressed-tensors:w{bits}a{act_bits}"
+    if not symmetric:  # llm-compressor's AWQ: 4-bit codes and a zero point per group
+        if layout_name == "pack-quantized" and bits == 4:
+            return QuantFormat(f"{name}-asym", bits=4, group_size=group, zero=None), "ct-pack-zp"
+        raise ValueError(
+            "compressed-tensors: asymmetric weights are supported as 4-bit pack-quantized only"
+        )
     if layout_name == "pack-quantized" and bits in (4, 8):
         zero = 8 if bits == 4 else 0
         return QuantFormat(name, bits=bits, group_size=group, zero=zero), "ct-pack"
@@ -301,6 +311,10 @@ def _convert_parts(t: dict[str, torch.Tensor], plan: CheckpointQuant) -> Quantiz
         )
     if plan.layout == "ct-pack":
         return ct_packed_weight(t["weight_packed"], t["weight_scale"], plan.fmt, plan.per_tensor)
+    if plan.layout == "ct-pack-zp":
+        return ct_packed_weight(
+            t["weight_packed"], t["weight_scale"], plan.fmt, zero_point=t["weight_zero_point"]
+        )
     if plan.layout == "ct-fp8":
         return ct_fp8_weight(t["weight"], t["weight_scale"], plan.fmt, plan.per_tensor)
     return ct_int_weight(t["weight"], t["weight_scale"], plan.fmt, plan.per_tensor)
@@ -364,17 +378,28 @@ def gptq_weight(
 
 
 def ct_packed_weight(
-    packed: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat, per_tensor: bool = False
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: QuantFormat,
+    per_tensor: bool = False,
+    zero_point: torch.Tensor | None = None,
 ) -> QuantizedWeight:
     """compressed-tensors pack-quantized: int32 [out, in * bits / 32], each value stored plus
-    2 ** (bits - 1) (4 bits: the +8 is our zero point; 8 bits: back to signed)."""
+    2 ** (bits - 1) (4 bits: the +8 is our zero point; 8 bits: back to signed). Asymmetric
+    4-bit weights add ``weight_zero_point`` int32 [out / 8, groups]: signed zero points plus 8,
+    eight outputs to a word along dim 0; ``w = (q - zp) * scale`` is then our nibble minus
+    the stored zero (both carry the +8)."""
     q = unpack_int32(packed, fmt.bits)
     if fmt.bits == 8:
         stored = (q.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
     else:
         stored = pack_nibbles(q)
     scales = _ct_scales(scale, fmt, *q.shape, per_tensor)
-    return QuantizedWeight(fmt, stored.contiguous(), scales)
+    zeros = None
+    if zero_point is not None:
+        zeros = unpack_int32(zero_point.t().contiguous(), 4).t()[: q.shape[0]].contiguous()
+        _check_groups(fmt, q.shape[1], zeros.shape[1], "compressed-tensors")
+    return QuantizedWeight(fmt, stored.contiguous(), scales, zeros)
 
 
 def ct_int_weight(
