@@ -57,8 +57,9 @@ class QuantTilesKernel:
         return TILES_PATH_NAMES[self.path]
 
     def dequantize(self, w: QuantizedWeight, row0: int, rows: int) -> torch.Tensor:
-        """Rows [row0, row0 + rows) of ``w`` in bf16 as the tiles decode them, in the shared
-        panel buffer (valid until the next call)."""
+        """Rows [row0, row0 + rows) of ``w`` in bf16, the reference dequantization rounded
+        (every format, scales included), in the shared panel buffer (valid until the next
+        call)."""
         k = w.shape[1]
         if self._panel.numel() < rows * k:
             self._panel = torch.empty(rows * k, dtype=torch.bfloat16)
