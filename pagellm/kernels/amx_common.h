@@ -1,6 +1,7 @@
 // AMX (Intel Sapphire Rapids and later) set-up shared by the kernels that use its tiles: the
 // process asks Linux once for the tile state, and each thread loads a configuration of eight
-// 16-row x 64-byte tiles before its first tile instruction.
+// 16-row x 64-byte tiles before its first tile instruction. best_bf16_path() says which bf16
+// product path a machine has.
 #pragma once
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #include <immintrin.h>
@@ -37,3 +38,20 @@ inline void amx_load_config() {
 
 }  // namespace pagellm
 #endif
+
+namespace pagellm {
+
+// The fastest bf16 product path this build and CPU have: 2 AMX tiles, 1 AVX-512 BF16 dot
+// products, 0 neither (the kernels with such paths pick theirs by it).
+inline int best_bf16_path() {
+#if defined(PAGELLM_HAS_AMX)
+  if (amx_permitted()) return 2;
+#endif
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+}  // namespace pagellm

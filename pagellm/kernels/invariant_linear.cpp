@@ -322,16 +322,7 @@ void run_path2(const Args& a, int threads) {
 }
 #endif
 
-int best_path() {
-#if defined(PAGELLM_HAS_AMX)
-  if (amx_permitted()) return 2;
-#endif
-#if defined(__AVX512BF16__)
-  return 1;
-#else
-  return 0;
-#endif
-}
+int best_path() { return best_bf16_path(); }
 
 }  // namespace
 

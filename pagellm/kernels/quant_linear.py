@@ -16,7 +16,6 @@ from pagellm.kernels.quant_int8 import QuantInt8Kernel, load_quant_int8_kernel
 from pagellm.quant.formats import QuantizedWeight, quantize_activations_int8
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-TILES_PATH_NAMES = {1: "AVX-512 BF16", 2: "AMX"}
 TILE_ROWS = {
     # AMX: tiles from 8 rows (at 4 decoding them cost more than the register path), bf16 panels
     # for torch's (oneDNN's) GEMM above 256 rows (2048 x 576 x 3072: 2.2 ms that way, 5.1 ms on
@@ -52,10 +51,6 @@ class QuantTilesKernel:
         self._dequant.argtypes = [ptr, ptr, ptr, ptr, i, i, i, i, i, i, i, i, ptr, i]
         self._panel = torch.empty(0, dtype=torch.bfloat16)
 
-    @property
-    def path_name(self) -> str:
-        return TILES_PATH_NAMES[self.path]
-
     def dequantize(self, w: QuantizedWeight, row0: int, rows: int) -> torch.Tensor:
         """Rows [row0, row0 + rows) of ``w`` in bf16, the reference dequantization rounded
         (every format, scales included), in the shared panel buffer (valid until the next
@@ -75,13 +70,7 @@ class QuantTilesKernel:
         """``x @ W^T`` by torch's bf16 GEMM over cache-sized panels of W decoded as above."""
         n, k = w.shape
         rows = max(16, min(n, PANEL_BYTES // (2 * k)) // 16 * 16)
-        if rows >= n:
-            return torch.nn.functional.linear(x, self.dequantize(w, 0, n))
-        out = torch.empty(x.shape[0], n, dtype=x.dtype)
-        for row0 in range(0, n, rows):
-            count = min(rows, n - row0)
-            torch.matmul(x, self.dequantize(w, row0, count).t(), out=out[:, row0 : row0 + count])
-        return out
+        return _by_panels(x, n, rows, lambda row0, count: self.dequantize(w, row0, count))
 
     @staticmethod
     def supports(w: QuantizedWeight) -> bool:
@@ -219,9 +208,10 @@ class QuantLinearKernel:
         return out
 
     def bind(self, x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor) -> Callable[[], int]:
-        """A call computing ``out = x @ W^T`` in the few-rows path with these very buffers
-        (captured decode steps: the arguments are converted once); it returns the kernel's
-        status (0: done)."""
+        """A call computing ``out = x @ W^T`` with these very buffers (captured decode steps:
+        the arguments are converted once) on the route ``__call__`` takes, which for the
+        register path needs at most ``max_rows`` rows; it returns the kernel's status (0:
+        done)."""
         route = self.bf16_route(x, w)
         if route == "tiles":
             return self.tiles.bind(x, w, out)
@@ -242,19 +232,11 @@ class QuantLinearKernel:
 
     def _panels(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         n, k = w.shape
-        # fp32 GEMM whatever x is: a bf16 GEMM over the bf16-rounded panel was ~2x faster on a CPU
-        # with native bf16, but flipped the default model's bf16 answer at a near-tie where
-        # transformers' bf16 keeps it (tests/test_smollm2.py), so it is not used
-        gemm = torch.float32
-        xg = x.to(gemm)
+        # the exact weights in an fp32 GEMM whatever x is (bf16 x on a CPU with bf16 products
+        # takes the tiles' bf16 panels instead, see bf16_route)
         rows = max(1, min(n, PANEL_BYTES // (4 * k)))
-        if rows == n:
-            return torch.nn.functional.linear(xg, self.dequantize(w, 0, n).to(gemm)).to(x.dtype)
-        out = torch.empty(x.shape[0], n, dtype=x.dtype)
-        for row0 in range(0, n, rows):
-            count = min(rows, n - row0)
-            out[:, row0 : row0 + count] = xg @ self.dequantize(w, row0, count).to(gemm).t()
-        return out
+        out = _by_panels(x.float(), n, rows, lambda row0, count: self.dequantize(w, row0, count))
+        return out.to(x.dtype)
 
     def dequantize(self, w: QuantizedWeight, row0: int, rows: int) -> torch.Tensor:
         """Rows [row0, row0 + rows) of ``w`` in fp32, in the shared panel buffer (valid until
@@ -276,6 +258,20 @@ class QuantLinearKernel:
         if rc != 0:
             raise RuntimeError(f"quant_dequantize failed with code {rc} ({fmt.name})")
         return out
+
+
+def _by_panels(
+    x: torch.Tensor, n: int, rows: int, panel: Callable[[int, int], torch.Tensor]
+) -> torch.Tensor:
+    """``x @ W^T`` (W: n rows) ``rows`` rows of W at a time; ``panel(row0, count)`` gives those
+    rows in x's dtype (a shared buffer, used before the next call)."""
+    if rows >= n:
+        return torch.nn.functional.linear(x, panel(0, n))
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    for row0 in range(0, n, rows):
+        count = min(rows, n - row0)
+        torch.matmul(x, panel(row0, count).t(), out=out[:, row0 : row0 + count])
+    return out
 
 
 def _layout(w: QuantizedWeight) -> tuple:

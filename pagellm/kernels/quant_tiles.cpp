@@ -362,16 +362,9 @@ void run_path2(const Call& c, int threads) {
   }
 }
 #endif
+#endif
 
-int best_path() {
-#if defined(PAGELLM_HAS_AMX)
-  if (amx_permitted()) return 2;
-#endif
-  return 1;
-}
-#else
-int best_path() { return 0; }
-#endif
+int best_path() { return best_bf16_path(); }
 
 }  // namespace
 
