@@ -38,6 +38,9 @@ using namespace pagellm;
 constexpr int NB = 16;       // output columns per packed block
 constexpr int KBLK = 32;     // bf16 inputs per AMX step (K is padded to it)
 constexpr int MCHUNK = 256;  // rows of x kept hot in L2 while a thread sweeps its columns
+#ifndef PAGELLM_INV_AVX2_ROWS
+#define PAGELLM_INV_AVX2_ROWS 6  // rows per register tile on AVX2 (12 accumulators)
+#endif
 
 struct Args {
   int dtype;  // 0 fp32, 1 bf16 (x, W and out share it)
@@ -161,6 +164,61 @@ void rows_fma(const Args& a, int m0, int blk) {
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// rows_fma for AVX2's 16 registers: each element takes the same FMA sequence as there (so the
+// results are the same bits), in two 8-lane halves, with more rows per tile (R x 2 accumulators,
+// the weights' 16 lanes loaded once for all R rows). bf16: every row's step-0 FMA of a pair,
+// then every row's step-1 FMA, so each accumulator still sees element 0, then element 1.
+template <typename T, int R>
+void rows_fma_avx2(const Args& a, int m0, int blk) {
+  const T* x = static_cast<const T*>(a.x);
+  const T* w = static_cast<const T*>(a.w) + static_cast<int64_t>(blk) * a.kp * NB;
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  if constexpr (std::is_same_v<T, float>) {
+    const float* xr[R];
+    for (int r = 0; r < R; ++r) xr[r] = x + static_cast<int64_t>(m0 + r) * a.k;
+    for (int kk = 0; kk < a.k; ++kk) {
+      const __m256 wl = _mm256_loadu_ps(w + static_cast<int64_t>(kk) * NB);
+      const __m256 wh = _mm256_loadu_ps(w + static_cast<int64_t>(kk) * NB + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(xr[r] + kk);
+        lo[r] = _mm256_fmadd_ps(xv, wl, lo[r]);
+        hi[r] = _mm256_fmadd_ps(xv, wh, hi[r]);
+      }
+    }
+  } else {
+    const uint16_t* xr[R];
+    for (int r = 0; r < R; ++r) xr[r] = x + static_cast<int64_t>(m0 + r) * a.kp;
+    const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int kk = 0; kk < a.kp / 2; ++kk) {
+      const __m256i* pw = reinterpret_cast<const __m256i*>(w + static_cast<int64_t>(kk) * 2 * NB);
+      __m256 wl = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(pw), 16));
+      __m256 wh = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(pw + 1), 16));
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_set1_ps(bf16_to_float(xr[r][2 * kk]));
+        lo[r] = _mm256_fmadd_ps(xv, wl, lo[r]);
+        hi[r] = _mm256_fmadd_ps(xv, wh, hi[r]);
+      }
+      wl = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(pw), hi_mask));
+      wh = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(pw + 1), hi_mask));
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_set1_ps(bf16_to_float(xr[r][2 * kk + 1]));
+        lo[r] = _mm256_fmadd_ps(xv, wl, lo[r]);
+        hi[r] = _mm256_fmadd_ps(xv, wh, hi[r]);
+      }
+    }
+  }
+  const int cols = std::min(NB, a.n - blk * NB);
+  for (int r = 0; r < R; ++r) {
+    float tmp[NB];
+    _mm256_storeu_ps(tmp, lo[r]);
+    _mm256_storeu_ps(tmp + 8, hi[r]);
+    store_any(a, tmp, m0 + r, blk * NB, cols);
+  }
+}
+#endif
+
 // Rows of x in register tiles of R (full tiles by Full, the rest one by one), column block blk.
 template <int R, void (*Full)(const Args&, int, int), void (*One)(const Args&, int, int)>
 void sweep(const Args& a, int blk) {
@@ -188,6 +246,15 @@ constexpr int RMAX = 4;
 
 void run_path0(const Args& a, int threads) {
   over_columns(a, threads, (a.n + NB - 1) / NB, [](const Args& part, int blk) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    constexpr int R2 = PAGELLM_INV_AVX2_ROWS;
+    if (part.dtype == 0) {
+      sweep<R2, rows_fma_avx2<float, R2>, rows_fma_avx2<float, 1>>(part, blk);
+    } else {
+      sweep<R2, rows_fma_avx2<uint16_t, R2>, rows_fma_avx2<uint16_t, 1>>(part, blk);
+    }
+    return;
+#endif
     if (part.dtype == 0) {
       sweep<RMAX, rows_fma<float, RMAX>, rows_fma<float, 1>>(part, blk);
     } else {
