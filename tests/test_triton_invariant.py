@@ -23,6 +23,29 @@ from pagellm.kernels.triton_invariant import (  # noqa: E402
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def row_invariant_interpreter_dot(monkeypatch):
+    """Under the interpreter ``tl.dot`` is numpy's matmul, and OpenBLAS's sgemm gives a row other
+    bits at another place in the tile on some CPUs (20 of 32 rows on an AVX2 Zen 3), which a GPU's
+    MMA does not. What these tests check is our tiling (fixed tiles, K walked in order), so on the
+    CPU the dot is an outer-product sum over K whose every element depends only on its row and
+    column."""
+    if torch.cuda.is_available():
+        return
+    import numpy as np
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        acc_type = d.data.dtype
+        lhs, rhs = a.data.astype(acc_type), b.data.astype(acc_type)
+        total = np.zeros(d.data.shape, acc_type)
+        for kk in range(lhs.shape[-1]):
+            total += lhs[..., :, kk : kk + 1] * rhs[..., kk : kk + 1, :]
+        return TensorHandle(total + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_dot", create_dot)
 DTYPES = [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.float32]
 """The interpreter computes in numpy, which has no bf16: on the CPU the kernels run in fp32."""
 
