@@ -23,6 +23,8 @@ from pagellm.kernels.triton_invariant import (  # noqa: E402
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.float32]
+"""The interpreter computes in numpy, which has no bf16: on the CPU the kernels run in fp32."""
 
 
 @pytest.fixture(autouse=True)
@@ -46,8 +48,6 @@ def row_invariant_interpreter_dot(monkeypatch):
         return TensorHandle(total + d.data, d.dtype.scalar)
 
     monkeypatch.setattr(InterpreterBuilder, "create_dot", create_dot)
-DTYPES = [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.float32]
-"""The interpreter computes in numpy, which has no bf16: on the CPU the kernels run in fp32."""
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
