@@ -92,7 +92,7 @@ def test_capture_sizes_bound_the_captured_batch(tiny_models):
     assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(
         eager.generate(prompts, params, use_tqdm=False)
     )
-    assert set(llm.engine.executor.captured.plans) <= {1, 2}
+    assert {rows for rows, _, _ in llm.engine.executor.captured.plans} <= {1, 2}
     assert llm.engine.executor.captured.max_size == 2
 
 
@@ -256,7 +256,7 @@ def test_verify_steps_run_captured_and_keep_greedy_exact(tiny_models, method):
     if method == "draft_model":  # a random model's text rarely repeats: n-gram proposals miss
         assert stats.spec_num_accepted_tokens > 0
     captured = llm.engine.executor.captured
-    assert any(rows > len(prompts) for rows in captured.plans)  # steps with proposals' rows
+    assert any(rows > len(prompts) for rows, _, _ in captured.plans)  # steps with proposals' rows
 
 
 def test_block_table_rows_follow_changed_blocks_of_equal_count():
@@ -276,3 +276,47 @@ def test_block_table_rows_follow_changed_blocks_of_equal_count():
     assert step([3, 5]) == [3, 5]
     assert step([3, 9]) == [3, 9]
     assert inputs.slots[0].item() == 9 * 16 + 1
+
+
+def test_long_prompt_chunks_beside_decodes_go_through_the_prefill_kernel(tiny_models):
+    """A long prompt's cut chunks (and a second prompt's) while others decode: captured steps
+    attend them with the prefill kernel, chunks last in the step, and every token equals the
+    eager engine's and transformers'."""
+    import transformers
+
+    path = tiny_models("llama")
+    kw = dict(dtype="float32", kv_cache_memory=0.02, max_model_len=512,
+              long_prefill_token_threshold=16, long_prefill_decode_budget=40,
+              max_num_partial_prefills=2,
+              max_long_partial_prefills=2)  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    streams = [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in (5, 9, 14)]
+    longs = [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in (300, 130)]
+
+    def run(llm: LLM) -> dict[str, list[int]]:
+        engine = llm.engine
+        for i, p in enumerate(streams):
+            engine.add_request(f"s{i}", p, SamplingParams(temperature=0, max_tokens=90,
+                                                          ignore_eos=True))  # fmt: skip
+        for _ in range(3):
+            engine.step()
+        for i, p in enumerate(longs):  # arrive while the streams decode
+            engine.add_request(f"l{i}", p, SamplingParams(temperature=0, max_tokens=6,
+                                                          ignore_eos=True))  # fmt: skip
+        out: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = list(o.outputs[0].token_ids)
+        return out
+
+    captured = LLM(str(path), **kw)
+    ours = run(captured)
+    decoder = captured.engine.executor.captured
+    assert decoder.num_kernel_chunks > 10
+    assert any(chunks == 2 for _, _, chunks in decoder.plans)  # both prompts in one step
+    assert ours == run(LLM(str(path), enforce_eager=True, **kw))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    for i, prompt in enumerate(longs):
+        compare_greedy(ours[f"l{i}"], hf_greedy(hf, prompt, 6), f"long#{i}")
+    compare_greedy(ours["s2"], hf_greedy(hf, streams[2], 90), "stream#2")

@@ -130,6 +130,9 @@ class PagedPrefillKernel:
         )
         self._fn = fn
         self.vector_width = int(lib.paged_prefill_vector_width())
+        self.item_rows = int(lib.paged_prefill_item_rows())
+        """Query rows (token x query head of a group) per work item of the vector path: fewer
+        rows cost as much as this many."""
         self.has_amx = bool(lib.paged_prefill_has_amx())
         """This CPU and build run bf16 calls (plain cache, head_dim a multiple of 32, at least
         one 32-row item per thread) on AMX tiles."""
@@ -157,6 +160,44 @@ class PagedPrefillKernel:
         [chunks, max_blocks], ``query_starts`` [chunks + 1] (token offsets into q) and
         ``start_pos`` [chunks] (tokens cached before each chunk). ``max_chunk_tokens`` is
         for the Triton kernel's grid (unused here)."""
+        args = self._args(q, k_cache, v_cache, block_tables, query_starts, start_pos, out,
+                          scale, kv_code, v_scale)  # fmt: skip
+        rc = self._fn(*args)
+        if rc != 0:
+            raise RuntimeError(f"paged_prefill_attention failed with code {rc}")
+
+    def bind(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_starts: torch.Tensor,
+        start_pos: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+    ) -> Callable[[], int]:
+        """A call attending with these very buffers (the prefill chunks of a captured step; a
+        cache of q's dtype); it returns the kernel's status (0: done). The number of chunks is
+        ``start_pos``'s length, fixed when bound."""
+        args = self._args(q, k_cache, v_cache, block_tables, query_starts, start_pos, out,
+                          scale, 0, 1.0)  # fmt: skip
+        return functools.partial(self._fn, *args)
+
+    def _args(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_starts: torch.Tensor,
+        start_pos: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+        kv_code: int,
+        v_scale: float,
+    ) -> tuple:
+        """The kernel's C arguments for these tensors, checked."""
         for t in (q, out, block_tables, query_starts, start_pos):
             assert t.is_contiguous()
         for t in (block_tables, query_starts, start_pos):
@@ -165,30 +206,11 @@ class PagedPrefillKernel:
         _check_cache(q, k_cache, kv_code)
         _, hq, d = q.shape
         hkv, nb, bs, _ = k_cache.shape
-        rc = self._fn(
-            _DTYPE_CODES[q.dtype],
-            kv_code,
-            q.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            block_tables.data_ptr(),
-            query_starts.data_ptr(),
-            start_pos.data_ptr(),
-            out.data_ptr(),
-            start_pos.shape[0],
-            hq,
-            hkv,
-            d,
-            nb,
-            bs,
-            block_tables.shape[1],
-            scale,
-            v_scale,
-            torch.get_num_threads(),
-            int(self.allow_amx),
-        )
-        if rc != 0:
-            raise RuntimeError(f"paged_prefill_attention failed with code {rc}")
+        return (_DTYPE_CODES[q.dtype], kv_code, q.data_ptr(), k_cache.data_ptr(),
+                v_cache.data_ptr(), block_tables.data_ptr(), query_starts.data_ptr(),
+                start_pos.data_ptr(), out.data_ptr(), start_pos.shape[0], hq, hkv, d, nb, bs,
+                block_tables.shape[1], scale, v_scale, torch.get_num_threads(),
+                int(self.allow_amx))  # fmt: skip
 
 
 def load_paged_prefill_kernel(

@@ -791,6 +791,10 @@ extern "C" int paged_prefill_attention(
 
 extern "C" int paged_prefill_vector_width() { return VW; }
 
+// Query rows (token x query head of a kv head's group) per work item of the vector path: a chunk
+// of fewer rows costs as much as one of this many.
+extern "C" int paged_prefill_item_rows() { return ROWS; }
+
 // Whether this build and process can take the AMX path (bf16 calls then may).
 extern "C" int paged_prefill_has_amx() {
 #if defined(PAGELLM_HAS_AMX)

@@ -17,7 +17,11 @@ and the proposals after it under speculative decoding, or a chunk of a few token
 ``ROW_WORK_LIMIT`` tokens x context: the cut chunks of a long prompt while others decode, a short
 prompt joining them). Each row
 attends with the decode kernel up to its own position, after the whole step's K/V are written
-(so a proposal, or a chunk's token, sees the ones before it). A CPU gains nothing from padding a batch up to a bucket (a padded row
+(so a proposal, or a chunk's token, sees the ones before it), except a chunk with enough rows
+(tokens x query heads of a group) to fill half a work item of the prefill kernel: chunks go last
+in the step and through one prefill kernel call per layer, which reads a chunk's prefix once
+for all its tokens (a long prompt's cut chunk deep in its prompt: the decode kernel read the
+prefix once per token). A CPU gains nothing from padding a batch up to a bucket (a padded row
 costs the same arithmetic as a real one), so each number of rows gets its own plan, built on first
 use (about a millisecond). Under eager-only settings (``--enforce-eager``), with tensor or
 pipeline parallelism, an FP8 KV cache, q/k norms or a GPU, steps stay eager.
@@ -67,7 +71,8 @@ def unsupported_reason(model: nn.Module, backend: Any, device: torch.device) -> 
 
 
 class StepInputs:
-    """The static input tensors of every plan: rows [0, batch) are a step's sequences."""
+    """The static input tensors of every plan: rows [0, batch) are a step's sequences, those
+    the decode kernel attends first, then the prefill kernel's chunks."""
 
     def __init__(self, rows: int, table_width: int) -> None:
         self.ids = torch.zeros(rows, dtype=torch.long)
@@ -79,10 +84,19 @@ class StepInputs:
         """The block table each row holds: a row is rewritten only when it changes. Compared
         by value: after speculative proposals are trimmed or a preempted request returns, a
         request holds as many blocks as before but not the same ones."""
+        self.chunk_tables = torch.zeros(rows, table_width, dtype=torch.int32)
+        self.chunk_table_rows: list[list[int] | None] = [None] * rows
+        """The same for the prefill kernel's chunks: one table per chunk."""
+        self.query_starts = torch.zeros(rows + 1, dtype=torch.int32)
+        """Offsets of the chunks' first tokens, from the first chunk row."""
+        self.start_pos = torch.zeros(rows, dtype=torch.int32)
 
-    def fill(self, scheduled: list[ScheduledRequest], block_size: int) -> int:
-        """Copy the step's rows in (a sequence's tokens are consecutive rows); returns how
-        many rows there are."""
+    def fill(
+        self, scheduled: list[ScheduledRequest], block_size: int, num_chunks: int = 0
+    ) -> tuple[int, int]:
+        """Copy the step's rows in (a sequence's tokens are consecutive rows), the last
+        ``num_chunks`` sequences as the prefill kernel's chunks; returns how many rows there
+        are and how many of them the decode kernel attends."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -96,16 +110,32 @@ class StepInputs:
         self.positions[:b] = torch.tensor(positions, dtype=torch.long)
         self.slots[:b] = torch.tensor(slots, dtype=torch.long)
         self.context_lens[:b] = torch.tensor(positions, dtype=torch.int32) + 1
+        rowwise = scheduled[: len(scheduled) - num_chunks]
         row = 0
-        for s in scheduled:
+        for s in rowwise:
             for _ in range(s.num_tokens):
-                if self.table_rows[row] != s.block_ids:
-                    self.block_tables[row, : len(s.block_ids)] = torch.tensor(
-                        s.block_ids, dtype=torch.int32
-                    )
-                    self.table_rows[row] = list(s.block_ids)
+                _set_table(self.block_tables, self.table_rows, row, s.block_ids)
                 row += 1
-        return b
+        chunks = scheduled[len(scheduled) - num_chunks :]
+        starts = [0]
+        for i, s in enumerate(chunks):
+            _set_table(self.chunk_tables, self.chunk_table_rows, i, s.block_ids)
+            starts.append(starts[-1] + s.num_tokens)
+        if chunks:
+            self.query_starts[: len(starts)] = torch.tensor(starts, dtype=torch.int32)
+            self.start_pos[: len(chunks)] = torch.tensor(
+                [s.start_pos for s in chunks], dtype=torch.int32
+            )
+        return b, row
+
+
+def _set_table(
+    tables: torch.Tensor, held: list[list[int] | None], row: int, block_ids: list[int]
+) -> None:
+    """Row ``row`` of ``tables`` holds ``block_ids`` (written only when they changed)."""
+    if held[row] != block_ids:
+        tables[row, : len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        held[row] = list(block_ids)
 
 
 class Activations:
@@ -148,9 +178,27 @@ class CapturedDecoder:
         self.dtype = backend.dtype
         self.inputs = StepInputs(max_size, 64)
         self.acts = Activations(max_size, model, self.dtype)
-        self.plans: dict[int, list[Call]] = {}
+        self.plans: dict[tuple[int, int, int], list[Call]] = {}
+        """Plans by (rows, rows the decode kernel attends, prefill kernel chunks)."""
         self.num_steps = 0
         """Steps run captured so far (tests and the step profile read it)."""
+        self.num_kernel_chunks = 0
+        """Chunks attended by the prefill kernel so far (tests read it)."""
+        prefill = backend.prefill_kernel
+        self.prefill_kernel = (
+            prefill
+            if prefill is not None and not backend.batch_invariant and hasattr(prefill, "bind")
+            else None
+        )
+        """The C++ prefill kernel, or None: every chunk is rows of the decode kernel (the
+        batch-invariant mode reads every token's keys in the decode kernel's order)."""
+        group = model.layers[0].self_attn.num_heads // model.layers[0].self_attn.num_kv_heads
+        self.min_chunk_tokens = (
+            -(-self.prefill_kernel.item_rows // (2 * group)) if self.prefill_kernel else 0
+        )
+        """A chunk of at least this many tokens fills half a prefill kernel work item: there
+        one call reading the prefix once beats a decode-kernel row per token (at 2-3 tokens of
+        a group of 3 on AVX2 the rows were 0.7x the kernel's time, at 4-16 tokens 1.3-1.8x)."""
 
     ROW_WORK_LIMIT = 128 * 1024
     """A prefill chunk of at most this many (tokens x context positions) runs as rows of the
@@ -167,28 +215,52 @@ class CapturedDecoder:
             return False
         decodes = [s.num_tokens == 1 + len(s.spec_token_ids) for s in scheduled]
         return any(decodes) and all(
-            d or self._small_chunk(s) for s, d in zip(scheduled, decodes, strict=True)
+            d or self._small_chunk(s) or self._kernel_chunk(s)
+            for s, d in zip(scheduled, decodes, strict=True)
         )
 
     def _small_chunk(self, s: ScheduledRequest) -> bool:
         end = s.start_pos + s.num_tokens
         return not s.spec_token_ids and s.num_tokens * end <= self.ROW_WORK_LIMIT
 
+    def _kernel_chunk(self, s: ScheduledRequest) -> bool:
+        """Whether this prefill chunk goes through the prefill kernel (see the module)."""
+        return (
+            self.prefill_kernel is not None
+            and not s.spec_token_ids
+            and s.num_tokens > 1
+            and s.num_tokens >= self.min_chunk_tokens
+        )
+
+    def order(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """The step's sequences in row order: the prefill kernel's chunks last (stable)."""
+        chunks = [s for s in scheduled if self._kernel_chunk(s)]
+        if not chunks:
+            return scheduled
+        return [s for s in scheduled if not self._kernel_chunk(s)] + chunks
+
     def forward(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
-        """The final hidden states [rows, hidden] of this step, one row per token (a view of a
-        static buffer, valid until the next step); the K/V of its tokens are in the cache."""
+        """The final hidden states [rows, hidden] of this step, one row per token in the order
+        of ``scheduled`` (a view of a static buffer, valid until the next step); the K/V of its
+        tokens are in the cache. The prefill kernel takes the chunks at the end of
+        ``scheduled`` (``order`` puts them there); a chunk before a row stays rows."""
         widest = max(len(s.block_ids) for s in scheduled)
         if widest > self.inputs.block_tables.shape[1]:
             self._widen_tables(widest)
-        b = self.inputs.fill(scheduled, self.block_size)
-        plan = self.plans.get(b)
+        num_chunks = 0
+        while num_chunks < len(scheduled) and self._kernel_chunk(scheduled[-1 - num_chunks]):
+            num_chunks += 1
+        b, rowwise = self.inputs.fill(scheduled, self.block_size, num_chunks)
+        key = (b, rowwise, num_chunks)
+        plan = self.plans.get(key)
         if plan is None:
-            plan = self.plans[b] = self._build(b)
+            plan = self.plans[key] = self._build(*key)
         for call in plan:
             rc = call()
             if rc:
                 raise RuntimeError(f"a captured decode step's kernel failed with code {rc}")
         self.num_steps += 1
+        self.num_kernel_chunks += num_chunks
         return self.acts.normed[:b]
 
     def _widen_tables(self, blocks: int) -> None:
@@ -201,7 +273,7 @@ class CapturedDecoder:
 
     # ----- building a plan ------------------------------------------------------------
 
-    def _build(self, b: int) -> list[Call]:
+    def _build(self, b: int, rowwise: int, num_chunks: int) -> list[Call]:
         model, acts, ops, code = self.model, self.acts, self.ops, DTYPE_CODES[self.dtype]
         threads = torch.get_num_threads()
         residual, normed = acts.residual[:b], acts.normed[:b]
@@ -215,7 +287,7 @@ class CapturedDecoder:
         x = None  # the residual stream's pending addend (none before the first layer)
         for layer, cache in zip(model.layers, self.kv_caches, strict=True):
             plan.append(self._norm(layer.input_layernorm, x, b, code, threads))
-            plan += self._attention(layer.self_attn, cache, b, code, threads)
+            plan += self._attention(layer.self_attn, cache, b, rowwise, num_chunks, code, threads)
             plan.append(self._norm(layer.post_attention_layernorm, acts.proj[:b], b, code, threads))
             plan.append(self._linear(layer.mlp.gate_up_proj, normed, acts.gate_up[:b]))
             plan.append(
@@ -237,7 +309,16 @@ class CapturedDecoder:
             acts.normed.data_ptr(), b, norm.weight.shape[0], norm.eps, threads,
         )  # fmt: skip
 
-    def _attention(self, attn: nn.Module, cache: Any, b: int, code: int, threads: int):
+    def _attention(
+        self,
+        attn: nn.Module,
+        cache: Any,
+        b: int,
+        rowwise: int,
+        num_chunks: int,
+        code: int,
+        threads: int,
+    ) -> list[Call]:
         acts, inputs = self.acts, self.inputs
         hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
         k, v = cache.k, cache.v
@@ -248,15 +329,29 @@ class CapturedDecoder:
             k.data_ptr(), v.data_ptr(), inputs.slots.data_ptr(), b, hq, hkv, d, cache_rows,
             threads,
         )  # fmt: skip
-        attend = self.backend.decode_kernel.bind(
-            acts.q[:b].view(b, hq, d), k, v, inputs.block_tables[:b], inputs.context_lens[:b],
-            acts.attn[:b].view(b, hq, d), self.backend.scale * cache.k_scale,
-            self.backend.batch_invariant,
-        )  # fmt: skip
+        scale = self.backend.scale * cache.k_scale
+        attend: list[Call] = []
+        if rowwise:
+            attend.append(
+                self.backend.decode_kernel.bind(
+                    acts.q[:rowwise].view(rowwise, hq, d), k, v, inputs.block_tables[:rowwise],
+                    inputs.context_lens[:rowwise], acts.attn[:rowwise].view(rowwise, hq, d),
+                    scale, self.backend.batch_invariant,
+                )
+            )  # fmt: skip
+        if num_chunks:
+            n = b - rowwise
+            attend.append(
+                self.prefill_kernel.bind(
+                    acts.q[rowwise:b].view(n, hq, d), k, v, inputs.chunk_tables[:num_chunks],
+                    inputs.query_starts[: num_chunks + 1], inputs.start_pos[:num_chunks],
+                    acts.attn[rowwise:b].view(n, hq, d), scale,
+                )
+            )  # fmt: skip
         return [
             self._linear(attn.qkv_proj, acts.normed[:b], acts.qkv[:b]),
             rope,
-            attend,
+            *attend,
             self._linear(attn.o_proj, acts.attn[:b], acts.proj[:b]),
         ]
 

@@ -374,6 +374,7 @@ class ModelRunner:
     ) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
         """A decode step run captured: the sampling requests and the logits of their rows
         (the last one, or the last ``1 + len(spec_token_ids)``)."""
+        scheduled = self.captured.order(scheduled)
         hidden = self.captured.forward(scheduled)
         rows: list[int] = []
         end = 0
