@@ -144,3 +144,14 @@ def test_policy_defaults():
     assert (policy.max_partial, policy.max_long_partial) == (1, 1)
     with pytest.raises(ValueError, match="max_num_partial_prefills"):
         ChunkPolicy.from_config(SchedulerConfig(max_num_partial_prefills=0), None)
+
+
+def test_chunks_deep_in_a_prompt_fill_the_prefill_kernels_items():
+    config = SchedulerConfig(long_prefill_decode_budget=16)
+    plain = ChunkPolicy.from_config(config, 64.0)
+    items = ChunkPolicy.from_config(config, 64.0, quantum=5)
+    assert [plain.chunk_while_decoding(p) for p in (0, 32, 64, 192, 640)] == [16, 10, 8, 4, 1]
+    # before the crossover the linear layers dominate: no rounding; past it, whole items
+    assert [items.chunk_while_decoding(p) for p in (0, 32, 64, 192, 640)] == [16, 10, 5, 5, 5]
+    wide = ChunkPolicy.from_config(SchedulerConfig(long_prefill_decode_budget=40), 64.0, 5)
+    assert [wide.chunk_while_decoding(p) for p in (0, 64, 128, 192)] == [40, 20, 10, 10]

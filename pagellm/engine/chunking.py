@@ -9,8 +9,10 @@ step that also decodes other requests, a long prompt's chunk is cut to what
 decoders' inter-token latency) stays about as long as a decode step. Deeper in a prompt each
 token's attention reads more context, so the chunk shrinks as it advances: a token at position
 ``p`` costs ``1 + p / crossover`` tokens at position 0, ``crossover`` being the context at which
-one token's attention costs as much as its linear layers (from the model's shape). Alone, a long
-prompt takes the whole token budget.
+one token's attention costs as much as its linear layers (from the model's shape). Past the
+crossover, where attention is most of a chunk's cost, the chunk is whole work items of the
+runner's prefill kernel (``quantum`` tokens each, at least one): fewer tokens than an item cost
+its whole attention all the same. Alone, a long prompt takes the whole token budget.
 """
 
 from __future__ import annotations
@@ -31,9 +33,13 @@ class ChunkPolicy:
     """Cost of a long prompt's chunk per step while others decode (0: no cut)."""
     crossover: float
     chunked: bool
+    quantum: int = 1
+    """Tokens per work item of the runner's prefill kernel (1: no rounding)."""
 
     @classmethod
-    def from_config(cls, config: SchedulerConfig, crossover: float | None) -> ChunkPolicy:
+    def from_config(
+        cls, config: SchedulerConfig, crossover: float | None, quantum: int = 1
+    ) -> ChunkPolicy:
         threshold = config.long_prefill_token_threshold
         if threshold is None:  # vLLM's 4% of max_model_len made ordinary chat prompts long
             threshold = config.max_num_batched_tokens
@@ -49,6 +55,7 @@ class ChunkPolicy:
             decode_budget=config.long_prefill_decode_budget,
             crossover=crossover or float("inf"),
             chunked=config.enable_chunked_prefill,
+            quantum=max(1, quantum),
         )
 
     def is_long(self, req: Request) -> bool:
@@ -56,7 +63,10 @@ class ChunkPolicy:
 
     def chunk_while_decoding(self, start_pos: int) -> int:
         """Tokens from ``start_pos`` on whose cost is about ``decode_budget`` (at least 1)."""
-        return max(1, int(self.decode_budget / (1.0 + start_pos / self.crossover)))
+        tokens = self.decode_budget / (1.0 + start_pos / self.crossover)
+        if self.quantum > 1 and start_pos >= self.crossover:
+            return self.quantum * max(1, int(tokens / self.quantum))
+        return max(1, int(tokens))
 
 
 class StepChunks:

@@ -131,8 +131,9 @@ class LLMEngine:
             limit = min(draft_len, self.spec.max_model_len or draft_len)
             self.spec = dataclasses.replace(self.spec, max_model_len=limit)
         self.scheduler = Scheduler(
-            config.scheduler, self.kv_manager, clock, attention_crossover, self.spec
-        )
+            config.scheduler, self.kv_manager, clock, attention_crossover, self.spec,
+            chunk_quantum=getattr(executor, "prefill_chunk_quantum", 1),
+        )  # fmt: skip
         self.structured = structured
         if structured is not None:
             self.scheduler.allowed_proposal = self._allowed_proposal

@@ -39,7 +39,9 @@ class Scheduler:
         clock: Callable[[], float],
         attention_crossover: float | None = None,
         spec: SpecSettings | None = None,
+        chunk_quantum: int = 1,
     ) -> None:
+        """``attention_crossover`` and ``chunk_quantum``: see ``ChunkPolicy``."""
         self.config = config
         self.spec = spec
         self.proposer = (
@@ -50,7 +52,7 @@ class Scheduler:
         self.allowed_proposal: Callable[[str, list[int] | None], int | None] | None = None
         """Structured outputs: how many of a request's proposed tokens (None: a draft model's,
         not known yet) its grammar lets it verify; None for an unconstrained request."""
-        self.chunking = ChunkPolicy.from_config(config, attention_crossover)
+        self.chunking = ChunkPolicy.from_config(config, attention_crossover, chunk_quantum)
         self.kv = kv_manager
         self.clock = clock
         self.requests: dict[str, Request] = {}

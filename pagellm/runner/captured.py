@@ -197,8 +197,12 @@ class CapturedDecoder:
             -(-self.prefill_kernel.item_rows // (2 * group)) if self.prefill_kernel else 0
         )
         """A chunk of at least this many tokens fills half a prefill kernel work item: there
-        one call reading the prefix once beats a decode-kernel row per token (at 2-3 tokens of
-        a group of 3 on AVX2 the rows were 0.7x the kernel's time, at 4-16 tokens 1.3-1.8x)."""
+        one call reading the prefix once beats a decode-kernel row per token (in L3 at a group
+        of 3 on AVX2, 1-2 tokens as rows took 0.4-0.7x the kernel's time, 4-16 tokens
+        1.1-1.8x)."""
+        self.chunk_quantum = self.prefill_kernel.item_rows // group if self.prefill_kernel else 1
+        """Tokens whose rows fit one prefill kernel work item (5 at a group of 3 on AVX2): the
+        scheduler rounds a long prompt's chunks deep in it to multiples of this."""
 
     ROW_WORK_LIMIT = 128 * 1024
     """A prefill chunk of at most this many (tokens x context positions) runs as rows of the

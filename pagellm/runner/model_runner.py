@@ -264,6 +264,11 @@ class ModelRunner:
             self.model, self.backend, self.kv_caches, ops, max_size, self.block_size
         )
 
+    @property
+    def prefill_chunk_quantum(self) -> int:
+        """Tokens per work item of the prefill kernel in captured steps (1: none)."""
+        return self.captured.chunk_quantum if self.captured is not None else 1
+
     def _set_checkpoint_kv_scales(self) -> None:
         """An FP8 cache takes the checkpoint's per-layer k_scale / v_scale where it has them
         (unless --calculate-kv-scales computes them from the first step)."""
