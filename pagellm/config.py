@@ -104,10 +104,13 @@ class SchedulerConfig:
     """Most requests whose prefill goes on past the step (partial prefills) in one step."""
     max_long_partial_prefills: int = 1
     """Most long prompts among those partial prefills."""
-    long_prefill_decode_budget: int = 16
+    long_prefill_decode_budget: int = 24
     """A long prompt's work per step while others decode, in tokens at the start of a
     sequence: a chunk deeper in the prompt gets fewer tokens, as its attention reads more
-    context (the streams decoding then keep their inter-token latency; 0: no cut)."""
+    context, and past the attention crossover whole prefill-kernel items (the streams decoding
+    then keep their inter-token latency; 0: no cut). 24 measured best of 16/20/24/32 on an AVX2
+    EPYC (8 streams, an 8000-token prompt: streams' ITL p99 2.2-2.3x, the prompt's TTFT 110 s;
+    16: 2.3x, 129 s; 32: 3.5x)."""
     scheduling_policy: str = "fcfs"
     """fcfs (arrival order), priority (a request's priority, then arrival; more important
     arrivals may preempt), or fair (per-tenant virtual token counting)."""
