@@ -42,6 +42,7 @@ from torch import nn
 
 from pagellm.engine.outputs import ScheduledRequest
 from pagellm.kernels.decode_ops import DTYPE_CODES, DecodeOps
+from pagellm.kernels.paged_attention import PagedPrefillKernel
 from pagellm.layers.linear import Linear
 from pagellm.layers.quant_linear import QuantLinear, QuantPart
 
@@ -187,7 +188,7 @@ class CapturedDecoder:
         prefill = backend.prefill_kernel
         self.prefill_kernel = (
             prefill
-            if prefill is not None and not backend.batch_invariant and hasattr(prefill, "bind")
+            if isinstance(prefill, PagedPrefillKernel) and not backend.batch_invariant
             else None
         )
         """The C++ prefill kernel, or None: every chunk is rows of the decode kernel (the
