@@ -201,9 +201,6 @@ class CapturedDecoder:
         one call reading the prefix once beats a decode-kernel row per token (in L3 at a group
         of 3 on AVX2, 1-2 tokens as rows took 0.4-0.7x the kernel's time, 4-16 tokens
         1.1-1.8x)."""
-        self.chunk_quantum = self.prefill_kernel.item_rows // group if self.prefill_kernel else 1
-        """Tokens whose rows fit one prefill kernel work item (5 at a group of 3 on AVX2): the
-        scheduler rounds a long prompt's chunks deep in it to multiples of this."""
 
     ROW_WORK_LIMIT = 128 * 1024
     """A prefill chunk of at most this many (tokens x context positions) runs as rows of the

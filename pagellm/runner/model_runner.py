@@ -28,7 +28,11 @@ from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.config import GIB, CacheConfig, StepLimits
 from pagellm.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagellm.kernels.decode_ops import load_decode_ops
-from pagellm.kernels.paged_attention import load_paged_decode_kernel, load_paged_prefill_kernel
+from pagellm.kernels.paged_attention import (
+    PagedPrefillKernel,
+    load_paged_decode_kernel,
+    load_paged_prefill_kernel,
+)
 from pagellm.kernels.quant_linear import load_quant_linear_kernel
 from pagellm.kernels.skinny_linear import load_skinny_linear_kernel
 from pagellm.layers.linear import use_skinny_linears
@@ -266,8 +270,13 @@ class ModelRunner:
 
     @property
     def prefill_chunk_quantum(self) -> int:
-        """Tokens per work item of the prefill kernel in captured steps (1: none)."""
-        return self.captured.chunk_quantum if self.captured is not None else 1
+        """Tokens whose query rows fill one work item of the C++ prefill kernel, which attends
+        a long prompt's chunks beside decodes in eager and captured steps alike (5 at a group
+        of 3 on AVX2); 1 without it or in the batch-invariant mode (rows of the decode kernel)."""
+        kernel = getattr(self.backend, "prefill_kernel", None)
+        if not isinstance(kernel, PagedPrefillKernel) or self.backend.batch_invariant:
+            return 1
+        return max(1, kernel.item_rows // self.backend.group)
 
     def _set_checkpoint_kv_scales(self) -> None:
         """An FP8 cache takes the checkpoint's per-layer k_scale / v_scale where it has them
