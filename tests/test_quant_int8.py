@@ -1,13 +1,13 @@
 """W8A8 computed as integers (quant_int8.cpp): activations quantized per token exactly as the
-reference (``quantize_activations_int8``) does, AMX-INT8 sums equal to exact integer sums, the
-other CPUs' route close to them, and the format's constraints."""
+reference (``quantize_activations_int8``) does, AMX-INT8 and AVX2 dot-product sums equal to
+exact integer sums, the weight-only route close to them, and the format's constraints."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagellm.kernels.quant_int8 import load_quant_int8_kernel, row_scales
+from pagellm.kernels.quant_int8 import DOT, load_quant_int8_kernel, row_scales
 from pagellm.kernels.quant_linear import load_quant_linear_kernel
 from pagellm.quant.formats import QuantFormat, quantize_activations_int8
 from pagellm.quant.online import quantize
@@ -58,27 +58,64 @@ def test_amx_sums_are_the_exact_integer_sums(int8, rows, n):
     assert torch.equal(got, _exact(xb, w).bfloat16())
 
 
-@pytest.mark.parametrize("has_amx", [True, False])
-def test_every_route_computes_the_scheme(has_amx):
-    """The linear kernel's W8A8 call: AMX where the CPU has it, otherwise the same codes through
-    the weight-only paths, and K not a multiple of 64 always so: within float rounding of the
-    exact result."""
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 17, 32])
+@pytest.mark.parametrize("n", [1, 6, 72, 97])
+def test_dot_product_sums_are_the_exact_integer_sums(int8, rows, n):
+    """The AVX2 path (a decode step's rows): every block size and remainder of rows and
+    features, weight codes of -128 (the format allows them: |w| is 128 unsigned there)."""
+    if int8.dot_max_rows == 0:
+        pytest.skip("no AVX2 here")
+    torch.manual_seed(rows * 100 + n)
+    for k in (32, 576):
+        w = quantize(torch.randn(n, k), W8A8)
+        w.q.view(torch.int8)[:, :5] = -128
+        w.q.view(torch.int8)[:, 5:9] = 127
+        x = torch.randn(rows, k) * 4
+        x[0, :3] = torch.tensor([-50.0, 50.0, -50.0])  # codes -127 / 127 against -128
+        scales = row_scales(w)
+        out = torch.empty(rows, n)
+        assert int8.bind(x, w, scales, out, path=DOT)() == 0
+        assert torch.equal(out, _exact(x, w))
+        xb = x.bfloat16()
+        outb = torch.empty(rows, n, dtype=torch.bfloat16)
+        assert int8.bind(xb, w, scales, outb, path=DOT)() == 0
+        assert torch.equal(outb, _exact(xb, w).bfloat16())
+
+
+def test_dot_path_takes_decode_rows_only(int8):
+    if int8.dot_max_rows == 0 or int8.has_amx:
+        pytest.skip("no AVX2 here, or AMX takes every call")
+    w = quantize(torch.randn(16, 64), W8A8)
+    assert int8.path(torch.randn(int8.dot_max_rows, 64), w) == DOT
+    assert int8.path(torch.randn(int8.dot_max_rows + 1, 64), w) is None
+    assert int8.path(torch.randn(2, 48), quantize(torch.randn(16, 48), W8A8)) is None
+
+
+@pytest.mark.parametrize("route", ["amx", "dot", "weight-only"])
+def test_every_route_computes_the_scheme(route):
+    """The linear kernel's W8A8 call: AMX where the CPU has it, AVX2 dot products for a few
+    rows, otherwise the same codes through the weight-only paths (K not a multiple of 32 always
+    so): within float rounding of the exact result."""
     kernel = load_quant_linear_kernel()
     if kernel is None or kernel.int8 is None:
         pytest.skip("no C++ compiler")
-    if has_amx and not kernel.int8.has_amx:
+    int8 = kernel.int8
+    if route == "amx" and not int8.has_amx:
         pytest.skip("no AMX-INT8 here")
-    saved = kernel.int8.has_amx
-    kernel.int8.has_amx = has_amx
+    if route == "dot" and int8.dot_max_rows == 0:
+        pytest.skip("no AVX2 here")
+    saved = int8.has_amx, int8.dot_max_rows
+    int8.has_amx = route == "amx"
+    int8.dot_max_rows = saved[1] if route == "dot" else 0
     try:
-        for k in (128, 96):
+        for k in (128, 96, 80):
             w = quantize(torch.randn(48, k), W8A8)
             for rows in (1, 8, 40):
                 x = torch.randn(rows, k)
                 got = kernel.w8a8(x, w, row_scales(w))
                 torch.testing.assert_close(got, _exact(x, w), rtol=1e-5, atol=1e-5)
     finally:
-        kernel.int8.has_amx = saved
+        int8.has_amx, int8.dot_max_rows = saved
 
 
 def test_int8_activations_need_per_row_int8_weights():

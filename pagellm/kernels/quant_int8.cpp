@@ -11,8 +11,16 @@
 // AMX-INT8 (Xeon Sapphire Rapids and later): the weight rows are the A tiles as stored (64
 // inputs a row, no decoding), x's codes are packed once per call into B tiles (quads of inputs
 // by 16 tokens, VNNI order, through the 16 x 16 dword transpose), TDPBSSD sums them; C^T tiles
-// go out transposed one pass late (as in quant_tiles.cpp). Other CPUs: the callers quantize x
-// the same way (quant_int8_quantize) and multiply with the weight-only kernels.
+// go out transposed one pass late (as in quant_tiles.cpp).
+//
+// AVX2 (every x86 kind here, AVX-512 ones included), a decode step's few rows of x: the
+// integer dot products of llama.cpp's q8 kernels. _mm256_maddubs_epi16 multiplies unsigned by
+// signed bytes, so each 32-input block of a weight row goes in as |w| and x's codes take w's
+// signs (_mm256_sign_epi8); a pair's sum is at most 2 * 128 * 127 = 32512, inside int16 (an x
+// code is never -128: |x| <= amax makes |x / sx| <= 127), and _mm256_madd_epi16 widens the
+// pairs to int32. The sums are exact, then scaled as above. More rows (prefills) and other
+// CPUs: the callers quantize x the same way (quant_int8_quantize) and multiply its codes with
+// the weight-only kernels.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -36,6 +44,12 @@ inline __m512 load16(const uint16_t* p) {
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
+#elif defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
 #endif
 
 // Row t of x (fp32 or bf16 bits) quantized into q[k]; returns its scale.
@@ -47,6 +61,13 @@ float quantize_row(const T* x, int k, int8_t* q) {
   __m512 mv = _mm512_setzero_ps();
   for (; j + 16 <= k; j += 16) mv = _mm512_max_ps(mv, _mm512_abs_ps(load16(x + j)));
   amax = _mm512_reduce_max_ps(mv);
+#elif defined(__AVX2__)
+  __m256 mv = _mm256_setzero_ps();
+  const __m256 no_sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (; j + 8 <= k; j += 8) mv = _mm256_max_ps(mv, _mm256_and_ps(load8(x + j), no_sign));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, mv);
+  for (const float v : lanes) amax = std::max(amax, v);
 #endif
   for (; j < k; ++j) amax = std::max(amax, std::abs(to_float(x[j])));
   const float s = amax > 0.f ? amax / 127.f : 1.f;
@@ -59,6 +80,14 @@ float quantize_row(const T* x, int k, int8_t* q) {
     const __m512i r = _mm512_cvtps_epi32(_mm512_div_ps(v, sv));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(r));
   }
+#elif defined(__AVX2__)
+  const __m256 sv = _mm256_set1_ps(s);
+  for (; i + 8 <= k; i += 8) {
+    // nearest-even as above; |x / s| <= 127, so the two packs never saturate
+    const __m256i r = _mm256_cvtps_epi32(_mm256_div_ps(load8(x + i), sv));
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(w, w));
+  }
 #endif
   for (; i < k; ++i) {
     const float r = __builtin_nearbyintf(to_float(x[i]) / s);
@@ -68,13 +97,89 @@ float quantize_row(const T* x, int k, int8_t* q) {
 }
 
 void quantize_rows(int dtype, const void* x, int m, int k, int8_t* q, float* s, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (m > 1)
   for (int t = 0; t < m; ++t) {
     const int64_t off = static_cast<int64_t>(t) * k;
     s[t] = dtype == 0 ? quantize_row(static_cast<const float*>(x) + off, k, q + off)
                       : quantize_row(static_cast<const uint16_t*>(x) + off, k, q + off);
   }
 }
+
+// The scaled result of one output (sum of x row t's codes times weight row n's) into out.
+inline void store_sum(int dtype, void* out, int64_t at, int32_t sum, float sx, float sw) {
+  const float v = static_cast<float>(sum) * sx * sw;
+  if (dtype == 0) {
+    static_cast<float*>(out)[at] = v;
+  } else {
+    store(static_cast<uint16_t*>(out) + at, v);
+  }
+}
+
+#if defined(__AVX2__)
+#define QI_HAS_DOT 1
+constexpr int DOT_MAX_ROWS = 32;  // rows of x the dot kernel takes (decode steps)
+
+inline int32_t hsum(__m256i v) {
+  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i t = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+}
+
+// NR weight rows from n against TB rows of x from t0: each weight block is loaded and made
+// unsigned once for the TB rows. K a multiple of 32.
+template <int NR, int TB>
+void dot_block(int dtype, const int8_t* w, const float* sw, const int8_t* xq, const float* sx,
+               void* out, int n, int t0, int nout, int k) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc[NR][TB];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < TB; ++t) acc[r][t] = _mm256_setzero_si256();
+  for (int c = 0; c < k; c += 32) {
+    __m256i wv[NR], aw[NR];
+    for (int r = 0; r < NR; ++r) {
+      wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + static_cast<int64_t>(n + r) * k + c));
+      aw[r] = _mm256_abs_epi8(wv[r]);
+    }
+    for (int t = 0; t < TB; ++t) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + static_cast<int64_t>(t0 + t) * k + c));
+      for (int r = 0; r < NR; ++r) {
+        const __m256i pairs = _mm256_maddubs_epi16(aw[r], _mm256_sign_epi8(xv, wv[r]));
+        acc[r][t] = _mm256_add_epi32(acc[r][t], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+  }
+  for (int t = 0; t < TB; ++t)
+    for (int r = 0; r < NR; ++r)
+      store_sum(dtype, out, static_cast<int64_t>(t0 + t) * nout + n + r, hsum(acc[r][t]), sx[t0 + t], sw[n + r]);
+}
+
+// Weight rows [n0, n1) against every row of x: four rows at a time for one row of x (the
+// step is a stream of weights), two against four rows of x otherwise (16 registers).
+template <int TB>
+void dot_rows(int dtype, const int8_t* w, const float* sw, const int8_t* xq, const float* sx,
+              void* out, int n0, int n1, int t0, int nout, int k) {
+  constexpr int NR = TB == 1 ? 4 : 2;
+  int n = n0;
+  for (; n + NR <= n1; n += NR) dot_block<NR, TB>(dtype, w, sw, xq, sx, out, n, t0, nout, k);
+  for (; n < n1; ++n) dot_block<1, TB>(dtype, w, sw, xq, sx, out, n, t0, nout, k);
+}
+
+void run_dot(int dtype, const int8_t* w, const float* sw, const int8_t* xq, const float* sx,
+             void* out, int m, int n, int k, int threads) {
+  // contiguous runs of weight rows per thread (multiples of 4), each streamed once a call
+  const int units = (n + 3) / 4;
+  threads = std::max(1, std::min(threads, units));
+#pragma omp parallel num_threads(threads)
+  {
+    const int id = omp_get_thread_num(), count = omp_get_num_threads();
+    const int n0 = std::min(n, units * id / count * 4), n1 = std::min(n, units * (id + 1) / count * 4);
+    int t = 0;
+    for (; t + 4 <= m; t += 4) dot_rows<4>(dtype, w, sw, xq, sx, out, n0, n1, t, n, k);
+    for (; t + 2 <= m; t += 2) dot_rows<2>(dtype, w, sw, xq, sx, out, n0, n1, t, n, k);
+    for (; t < m; ++t) dot_rows<1>(dtype, w, sw, xq, sx, out, n0, n1, t, n, k);
+  }
+}
+#endif
 
 #if defined(PAGELLM_HAS_AMX) && defined(__AMX_INT8__)
 #define QI_HAS_AMX_INT8 1
@@ -177,6 +282,15 @@ bool amx_int8() {
 // 1 where this build and CPU multiply int8 on AMX tiles, 0 elsewhere.
 extern "C" int quant_int8_has_amx() { return amx_int8() ? 1 : 0; }
 
+// The most rows of x the AVX2 dot path takes (0 where this build has none).
+extern "C" int quant_int8_dot_max_rows() {
+#if defined(QI_HAS_DOT)
+  return DOT_MAX_ROWS;
+#else
+  return 0;
+#endif
+}
+
 // x [m][k] (0: fp32, 1: bf16) -> q [m][k] int8 and s [m] as described above.
 extern "C" int quant_int8_quantize(int dtype, const void* x, int m, int k, int8_t* q, float* s,
                                    int threads) {
@@ -186,25 +300,31 @@ extern "C" int quant_int8_quantize(int dtype, const void* x, int m, int k, int8_
 }
 
 // out [m][n] (x's dtype) = the W8A8 product of x [m][k] and w [n][k] int8 with fp32 scales sw
-// [n]. K must be a multiple of 64. Returns 0, or an error code.
-extern "C" int quant_int8_linear(int dtype, const void* x, const int8_t* w, const float* sw,
-                                 void* out, int m, int n, int k, int threads) {
+// [n], on path 2 (AMX tiles: K a multiple of 64) or 1 (AVX2 dot products: K a multiple of 32,
+// at most quant_int8_dot_max_rows() rows). Returns 0, or an error code.
+extern "C" int quant_int8_linear(int path, int dtype, const void* x, const int8_t* w,
+                                 const float* sw, void* out, int m, int n, int k, int threads) {
   if (m <= 0 || n <= 0) return 0;
   if (dtype != 0 && dtype != 1) return 1;
-  if (k % 64 != 0) return 2;
-  if (!amx_int8()) return 3;
-#if defined(QI_HAS_AMX_INT8)
+  if (k % (path == 2 ? 64 : 32) != 0) return 2;
+  if (path == 2 && !amx_int8()) return 3;
+  if (path == 1 && m > quant_int8_dot_max_rows()) return 3;
+  if (path != 1 && path != 2) return 4;
   threads = std::max(1, threads);
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> sx;
   xq.resize(static_cast<size_t>(m) * k);
   sx.resize(m);
   quantize_rows(dtype, x, m, k, xq.data(), sx.data(), threads);
+  if (path == 1) {
+#if defined(QI_HAS_DOT)
+    run_dot(dtype, w, sw, xq.data(), sx.data(), out, m, n, k, threads);
+#endif
+    return 0;
+  }
+#if defined(QI_HAS_AMX_INT8)
   const Call c{dtype, w, sw, xq.data(), sx.data(), out, m, n, k};
   run_amx(c, std::min(threads, (n + FB - 1) / FB));
-  return 0;
-#else
-  (void)x, (void)w, (void)sw, (void)out;
-  return 3;
 #endif
+  return 0;
 }

@@ -1,10 +1,13 @@
 """Python face of the W8A8 kernel (quant_int8.cpp): activations quantized per token to int8 and
-multiplied with int8 weights as integers, on AMX-INT8 tiles; elsewhere the same quantization of
-x in C, then the weight-only kernels."""
+multiplied with int8 weights as integers, on AMX-INT8 tiles for any number of rows, with AVX2
+integer dot products for a decode step's few rows; elsewhere the same quantization of x in C,
+then the weight-only kernels."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
+from collections.abc import Callable
 
 import torch
 
@@ -12,6 +15,8 @@ from pagellm.kernels.cpu_build import build_library
 from pagellm.quant.formats import QuantizedWeight
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+DOT, AMX = 1, 2
+"""The C kernel's paths: AVX2 dot products (few rows), AMX-INT8 tiles."""
 
 
 class QuantInt8Kernel:
@@ -24,8 +29,10 @@ class QuantInt8Kernel:
         self._quantize.argtypes = [i, ptr, i, i, ptr, ptr, i]
         self._linear = lib.quant_int8_linear
         self._linear.restype = i
-        self._linear.argtypes = [i, ptr, ptr, ptr, ptr, i, i, i, i]
+        self._linear.argtypes = [i, i, ptr, ptr, ptr, ptr, i, i, i, i]
         self.has_amx = bool(lib.quant_int8_has_amx())
+        self.dot_max_rows = int(lib.quant_int8_dot_max_rows())
+        """Rows of x the AVX2 dot path takes (0: none in this build)."""
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """int8 codes [m, k] and float32 scales [m, 1], as ``quantize_activations_int8``."""
@@ -39,9 +46,21 @@ class QuantInt8Kernel:
             raise RuntimeError(f"quant_int8_quantize failed with code {rc}")
         return q, s
 
+    def path(self, x: torch.Tensor, w: QuantizedWeight) -> int | None:
+        """The path that takes this call (``AMX``: K a multiple of 64; ``DOT``: K a multiple of
+        32 and at most ``dot_max_rows`` rows), None where neither does (fp32 or bf16 x only)."""
+        if x.dim() != 2 or x.dtype not in _DTYPE_CODES or x.device.type != "cpu":
+            return None
+        k = w.shape[1]
+        if self.has_amx and k % 64 == 0:
+            return AMX
+        if x.shape[0] <= self.dot_max_rows and k % 32 == 0:
+            return DOT
+        return None
+
     def applies(self, x: torch.Tensor, w: QuantizedWeight) -> bool:
-        """Whether the AMX path takes this call (K a multiple of 64, fp32 or bf16 x)."""
-        return self.has_amx and x.dtype in _DTYPE_CODES and w.shape[1] % 64 == 0
+        """Whether a path of this kernel takes the call."""
+        return self.path(x, w) is not None
 
     def __call__(
         self, x: torch.Tensor, w: QuantizedWeight, row_scales: torch.Tensor
@@ -49,23 +68,32 @@ class QuantInt8Kernel:
         """``row_scales``: the weight's scales as float32 [n] (``row_scales(w)``, kept by the
         caller)."""
         x = x.contiguous()
-        m, k = x.shape
-        n = w.shape[0]
-        out = torch.empty(m, n, dtype=x.dtype)
-        rc = self._linear(
-            _DTYPE_CODES[x.dtype],
-            x.data_ptr(),
-            w.q.data_ptr(),
-            row_scales.data_ptr(),
-            out.data_ptr(),
-            m,
-            n,
-            k,
-            torch.get_num_threads(),
-        )
+        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+        rc = self.bind(x, w, row_scales, out)()
         if rc != 0:
             raise RuntimeError(f"quant_int8_linear failed with code {rc} ({w.fmt.name})")
         return out
+
+    def bind(
+        self,
+        x: torch.Tensor,
+        w: QuantizedWeight,
+        row_scales: torch.Tensor,
+        out: torch.Tensor,
+        path: int | None = None,
+    ) -> Callable[[], int]:
+        """A call computing ``out`` = the W8A8 product of x and W with these very buffers
+        (captured steps convert the arguments once) on ``path`` (default: ``self.path``); it
+        returns the kernel's status (0: done)."""
+        path = self.path(x, w) if path is None else path
+        m, k = x.shape
+        n = w.shape[0]
+        assert path in (DOT, AMX), "no path of the int8 kernel takes this call"
+        assert x.is_contiguous() and out.is_contiguous() and out.shape == (m, n)
+        assert out.dtype == x.dtype and row_scales.dtype == torch.float32
+        args = (path, _DTYPE_CODES[x.dtype], x.data_ptr(), w.q.data_ptr(),
+                row_scales.data_ptr(), out.data_ptr(), m, n, k, torch.get_num_threads())  # fmt: skip
+        return functools.partial(self._linear, *args)
 
 
 def row_scales(w: QuantizedWeight) -> torch.Tensor:

@@ -148,8 +148,9 @@ class QuantLinearKernel:
 
     def w8a8(self, x: torch.Tensor, w: QuantizedWeight, row_scales: torch.Tensor) -> torch.Tensor:
         """``x @ W^T`` of a W8A8 weight (``fmt.act_int8``): x quantized per token to int8 and
-        multiplied as integers on AMX-INT8; elsewhere the same codes (exact in float32) times the
-        weight by the weight-only paths, then the token's scale."""
+        multiplied as integers (AMX-INT8 tiles, or AVX2 dot products for a few rows); elsewhere
+        the same codes (exact in float32) times the weight by the weight-only paths, then the
+        token's scale."""
         x = x.contiguous()
         if self.int8 is not None and self.int8.applies(x, w):
             return self.int8(x, w, row_scales)

@@ -103,12 +103,16 @@ class QuantPart(nn.Module):
     def _w8a8(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         """Activations quantized per token to int8, multiplied with the int8 codes."""
         if self.kernel is not None and self.kernel.applies(x):
-            if self._row_scales is None:
-                self._row_scales = row_scales(w)
-            return self.kernel.w8a8(x, w, self._row_scales)
+            return self.kernel.w8a8(x, w, self.row_scales())
         codes, scales = quantize_activations_int8(x)
         weight = w.dequantize().to(device=x.device)
         return (F.linear(codes.to(x.device), weight) * scales.to(x.device)).to(x.dtype)
+
+    def row_scales(self) -> torch.Tensor:
+        """A W8A8 weight's scales as float32 [out] (kept: the int8 kernel reads them)."""
+        if self._row_scales is None:
+            self._row_scales = row_scales(self.stored())
+        return self._row_scales
 
     def extra_repr(self) -> str:
         act = ", int8 activations" if self.fmt.act_int8 else ""

@@ -363,10 +363,13 @@ class CapturedDecoder:
             part = layer.parts[0]
             if isinstance(part, QuantPart):
                 kernel = part.kernel
-                if (
+                if kernel is not None and part.perm is None and part.fmt.act_int8:
+                    int8 = kernel.int8
+                    if int8 is not None and int8.applies(x, part.stored()):
+                        return int8.bind(x, part.stored(), part.row_scales(), out)
+                elif (
                     kernel is not None
                     and part.perm is None
-                    and not part.fmt.act_int8  # the module quantizes x first
                     and kernel.applies(x)
                     and x.shape[0] <= kernel.max_rows
                 ):
