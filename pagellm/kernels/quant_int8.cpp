@@ -136,6 +136,11 @@ void dot_block(int dtype, const int8_t* w, const float* sw, const int8_t* xq, co
     for (int t = 0; t < TB; ++t) acc[r][t] = _mm256_setzero_si256();
   for (int c = 0; c < k; c += 32) {
     __m256i wv[NR], aw[NR];
+#if !defined(QI_NO_PREFETCH)
+    if (c % 64 == 0)  // as the weight-only kernel: 8 rows ahead
+      for (int r = 0; r < NR; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + static_cast<int64_t>(n + r + 8) * k + c), _MM_HINT_T0);
+#endif
     for (int r = 0; r < NR; ++r) {
       wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + static_cast<int64_t>(n + r) * k + c));
       aw[r] = _mm256_abs_epi8(wv[r]);
