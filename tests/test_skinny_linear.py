@@ -67,3 +67,27 @@ def test_rows_beyond_the_kernel_are_refused_not_miscomputed():
     assert not kernel.applies(torch.randn(33, 32), w)
     assert not kernel.applies(torch.randn(2, 32).bfloat16(), w)
     assert kernel.applies(torch.randn(2, 32), w)
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_bf16_without_bf16_products_skips_onednn(native_bf16):
+    """A CPU without bf16 products: bf16 layers unpacked, the few-rows kernel for decode steps
+    and fp32 GEMMs over widened panels above (every output within one bf16 rounding of the
+    fp32 product of the same bf16 values); with bf16 products they keep oneDNN's packing."""
+    kernel = load_skinny_linear_kernel()
+    gen = torch.Generator().manual_seed(3)
+    layer = Linear(576, 5000, bias=True).to(torch.bfloat16)
+    layer.pack()
+    packed = layer.packed is not None
+    assert use_skinny_linears(layer, kernel, native_bf16=native_bf16) == (0 if native_bf16 else 1)
+    assert layer.fp32_panels == (not native_bf16)
+    assert (layer.packed is not None) == (packed and native_bf16)
+    for rows in (1, 32, 33, 300):
+        x = torch.randn(rows, 576, generator=gen).bfloat16()
+        exact = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+        got = layer(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 5000)
+        if not native_bf16:  # fp32 sums rounded once to bf16
+            torch.testing.assert_close(got.float(), exact, rtol=2**-8, atol=1e-3)
+    x3 = torch.randn(2, 40, 576, generator=gen).bfloat16()  # leading dimensions kept
+    assert layer(x3).shape == (2, 40, 5000)

@@ -70,7 +70,7 @@ class QuantTilesKernel:
         """``x @ W^T`` by torch's bf16 GEMM over cache-sized panels of W decoded as above."""
         n, k = w.shape
         rows = max(16, min(n, PANEL_BYTES // (2 * k)) // 16 * 16)
-        return _by_panels(x, n, rows, lambda row0, count: self.dequantize(w, row0, count))
+        return by_panels(x, n, rows, lambda row0, count: self.dequantize(w, row0, count))
 
     @staticmethod
     def supports(w: QuantizedWeight) -> bool:
@@ -236,7 +236,7 @@ class QuantLinearKernel:
         # the exact weights in an fp32 GEMM whatever x is (bf16 x on a CPU with bf16 products
         # takes the tiles' bf16 panels instead, see bf16_route)
         rows = max(1, min(n, PANEL_BYTES // (4 * k)))
-        out = _by_panels(x.float(), n, rows, lambda row0, count: self.dequantize(w, row0, count))
+        out = by_panels(x.float(), n, rows, lambda row0, count: self.dequantize(w, row0, count))
         return out.to(x.dtype)
 
     def dequantize(self, w: QuantizedWeight, row0: int, rows: int) -> torch.Tensor:
@@ -261,7 +261,7 @@ class QuantLinearKernel:
         return out
 
 
-def _by_panels(
+def by_panels(
     x: torch.Tensor, n: int, rows: int, panel: Callable[[int, int], torch.Tensor]
 ) -> torch.Tensor:
     """``x @ W^T`` (W: n rows) ``rows`` rows of W at a time; ``panel(row0, count)`` gives those

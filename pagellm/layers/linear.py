@@ -5,7 +5,10 @@ float32 decode steps on the few-rows kernel.
 (the path torch's own inductor takes when freezing a model) saves that work each step: ~6% on
 this model's GEMMs. In float32 a step of at most 32 tokens goes to ``SkinnyLinearKernel``,
 which streams each weight on every core (torch's GEMM reads it on one: 1.6-5x slower here);
-larger steps keep ``F.linear``. In batch-invariant mode every step goes to
+larger steps keep ``F.linear``. On a CPU without bf16 products (AVX2) oneDNN emulates bf16
+GEMMs, 3-5x slower than fp32 ones: there bf16 weights are not packed, at most 32 tokens go to
+the same few-rows kernel (bf16 read, fp32 arithmetic) and more to torch's fp32 GEMM over
+cache-sized panels of the weight widened to fp32. In batch-invariant mode every step goes to
 ``InvariantLinearKernel`` over a weight packed for it (the plain weight is then released).
 """
 
@@ -17,12 +20,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.kernels.quant_linear import PANEL_BYTES, by_panels
 from pagellm.kernels.skinny_linear import SkinnyLinearKernel
 
 
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     skinny: SkinnyLinearKernel | None = None
+    fp32_panels: bool = False
+    """bf16 on a CPU without bf16 products: steps the few-rows kernel does not take run as fp32
+    GEMMs over panels of the weight widened to fp32."""
     invariant: tuple[Any, Any] | None = None
     """(kernel, its packed weight) in batch-invariant mode (``pagellm.runner.batch_invariant``)."""
 
@@ -57,9 +64,21 @@ class Linear(nn.Linear):
             return kernel(x, packed)
         if self.skinny is not None and self.skinny.applies(x, self.weight):
             return self.skinny(x, self.weight, self.bias)
+        if self.fp32_panels:
+            return self._fp32_panels(x)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def _fp32_panels(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self.weight.shape
+        rows = max(1, min(n, PANEL_BYTES // (4 * k)))
+        x2 = x.detach().reshape(-1, k).float()
+        weight = self.weight.detach()
+        out = by_panels(x2, n, rows, lambda row0, count: weight[row0 : row0 + count].float())
+        if self.bias is not None:
+            out += self.bias.detach().float()
+        return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -67,13 +86,23 @@ def pack_linears(model: nn.Module) -> int:
     return sum(1 for m in model.modules() if isinstance(m, Linear) and m.pack())
 
 
-def use_skinny_linears(model: nn.Module, kernel: SkinnyLinearKernel | None) -> int:
-    """Give every float32 ``Linear`` of ``model`` the few-rows kernel; returns how many."""
+def use_skinny_linears(
+    model: nn.Module, kernel: SkinnyLinearKernel | None, native_bf16: bool = True
+) -> int:
+    """Give every float32 ``Linear`` of ``model`` the few-rows kernel, and every bf16 one too
+    where the CPU has no bf16 products (``native_bf16`` False: those drop their oneDNN packing
+    and take fp32 panels for larger steps); returns how many."""
     if kernel is None:
         return 0
     count = 0
     for m in model.modules():
-        if isinstance(m, Linear) and m.weight.dtype == torch.float32 and m.weight.is_cpu:
-            m.skinny = kernel
-            count += 1
+        if not isinstance(m, Linear) or not m.weight.is_cpu:
+            continue
+        if m.weight.dtype == torch.bfloat16 and not native_bf16:
+            m.packed = None
+            m.fp32_panels = True
+        elif m.weight.dtype != torch.float32:
+            continue
+        m.skinny = kernel
+        count += 1
     return count

@@ -27,6 +27,7 @@ from pagellm.attention.kv_cache import kv_cache_format
 from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.config import GIB, CacheConfig, StepLimits
 from pagellm.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from pagellm.kernels.cpu_build import cpu_has_native_bf16
 from pagellm.kernels.decode_ops import load_decode_ops
 from pagellm.kernels.paged_attention import (
     PagedPrefillKernel,
@@ -155,7 +156,7 @@ def _load(
     if batch_invariant:
         make_batch_invariant(model, device)
     elif device.type == "cpu":
-        use_skinny_linears(model, load_skinny_linear_kernel())
+        use_skinny_linears(model, load_skinny_linear_kernel(), cpu_has_native_bf16())
         use_quant_kernel(model, load_quant_linear_kernel())
     return model
 
