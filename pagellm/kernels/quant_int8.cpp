@@ -171,7 +171,8 @@ void dot_rows(int dtype, const int8_t* w, const float* sw, const int8_t* xq, con
 
 void run_dot(int dtype, const int8_t* w, const float* sw, const int8_t* xq, const float* sx,
              void* out, int m, int n, int k, int threads) {
-  // contiguous runs of weight rows per thread (multiples of 4), each streamed once a call
+  // contiguous runs of weight rows per thread (multiples of 4), streamed from memory for the
+  // first four rows of x and read again from cache for each further four
   const int units = (n + 3) / 4;
   threads = std::max(1, std::min(threads, units));
 #pragma omp parallel num_threads(threads)
