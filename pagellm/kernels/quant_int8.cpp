@@ -312,10 +312,9 @@ extern "C" int quant_int8_linear(int path, int dtype, const void* x, const int8_
                                  const float* sw, void* out, int m, int n, int k, int threads) {
   if (m <= 0 || n <= 0) return 0;
   if (dtype != 0 && dtype != 1) return 1;
-  if (k % (path == 2 ? 64 : 32) != 0) return 2;
-  if (path == 2 && !amx_int8()) return 3;
-  if (path == 1 && m > quant_int8_dot_max_rows()) return 3;
   if (path != 1 && path != 2) return 4;
+  if (k % (path == 2 ? 64 : 32) != 0) return 2;
+  if (path == 2 ? !amx_int8() : m > quant_int8_dot_max_rows()) return 3;
   threads = std::max(1, threads);
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> sx;

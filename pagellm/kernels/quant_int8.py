@@ -63,13 +63,17 @@ class QuantInt8Kernel:
         return self.path(x, w) is not None
 
     def __call__(
-        self, x: torch.Tensor, w: QuantizedWeight, row_scales: torch.Tensor
+        self,
+        x: torch.Tensor,
+        w: QuantizedWeight,
+        row_scales: torch.Tensor,
+        path: int | None = None,
     ) -> torch.Tensor:
         """``row_scales``: the weight's scales as float32 [n] (``row_scales(w)``, kept by the
-        caller)."""
+        caller); ``path`` as ``self.path`` gave it (found here when None)."""
         x = x.contiguous()
         out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-        rc = self.bind(x, w, row_scales, out)()
+        rc = self.bind(x, w, row_scales, out, path)()
         if rc != 0:
             raise RuntimeError(f"quant_int8_linear failed with code {rc} ({w.fmt.name})")
         return out

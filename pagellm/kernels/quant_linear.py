@@ -152,8 +152,9 @@ class QuantLinearKernel:
         the same codes (exact in float32) times the weight by the weight-only paths, then the
         token's scale."""
         x = x.contiguous()
-        if self.int8 is not None and self.int8.applies(x, w):
-            return self.int8(x, w, row_scales)
+        path = self.int8.path(x, w) if self.int8 is not None else None
+        if path is not None:
+            return self.int8(x, w, row_scales, path)
         codes, scales = (
             self.int8.quantize(x) if self.int8 is not None else quantize_activations_int8(x)
         )
