@@ -24,6 +24,8 @@ from pagellm.quant.online import fp8_format, int4_format, int8_format, quantize
 FORMATS = {
     "int8": int8_format(),
     "int4": QuantFormat("int4", bits=4, group_size=64, zero=None),
+    # half a 32-input block a group: the one-row AVX2 decoder's fallback
+    "int4_g16": QuantFormat("int4_g16", bits=4, group_size=16, zero=None),
     "q4_0": QuantFormat("q4_0", bits=4, group_size=32, scale_dtype=torch.float16, zero=8),
     "q4_1": QuantFormat("q4_1", bits=4, group_size=32, scale_dtype=torch.float16, offsets=True),
     "q8_0": QuantFormat("q8_0", bits=8, group_size=32, scale_dtype=torch.float16),
