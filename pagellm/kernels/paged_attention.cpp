@@ -33,6 +33,11 @@ struct Args {
   float v_scale;
 };
 
+inline void prefetch_block(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
@@ -68,11 +73,6 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
-}
-
-inline void prefetch_block(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
 // [sum(a), sum(b), sum(c), sum(d)] with one shared shuffle tree instead of four reductions.
@@ -303,6 +303,22 @@ void slice_rows(const Args& a, const T* cache, const int32_t* table, int64_t hea
   }
 }
 
+// The rows of keys [j0, j0 + n) fetched ahead: the slice after the one being computed, whose
+// blocks lie elsewhere in the cache, where the hardware's prefetch does not follow. 30 layers
+// of SmolLM2's heads from DRAM (AVX2 Zen 3, blocks shuffled): 1.02-1.05x at 8 x 1000, 8 x 3000,
+// 32 x 500 and 1 x 8000 keys. The rest of the time is compute (in cache one layer of 8 x 1000
+// keys takes half the time it takes from memory, ~23% of the FMA peak).
+template <typename T>
+void prefetch_slice(const Args& a, const T* cache, const int32_t* table, int64_t head_base,
+                    int j0, int n) {
+#if !defined(PA_NO_SLICE_PREFETCH)
+  const T* rows[SLICE];
+  slice_rows(a, cache, table, head_base, j0, n, rows);
+  const int64_t bytes = static_cast<int64_t>(a.head_dim) * sizeof(T);
+  for (int r = 0; r < n; ++r) prefetch_block(rows[r], bytes);
+#endif
+}
+
 // Exponentials of s[0..n) after subtracting their max, in place; returns (max, sum).
 std::pair<float, float> exp_avx2(float* s, int n) {
   __m256 vmax = _mm256_set1_ps(-3.0e38f);
@@ -351,6 +367,7 @@ void attend_part_avx2(const Args& a, int b, int kvh, int lo, int hi, std::vector
   for (int j0 = 0; j0 < ctx; j0 += SLICE) {
     const int n = std::min(SLICE, ctx - j0);
     slice_rows(a, kc, table, head_base, lo + j0, n, rows);
+    if (j0 + SLICE < ctx) prefetch_slice(a, kc, table, head_base, lo + j0 + SLICE, std::min(SLICE, ctx - j0 - SLICE));
     for (int g = 0; g < group; ++g) {
       __m256 qv[W];
       for (int x = 0; x < W; ++x) qv[x] = _mm256_mul_ps(load8(q + g * d + x * 8), scale);
@@ -381,6 +398,7 @@ void attend_part_avx2(const Args& a, int b, int kvh, int lo, int hi, std::vector
   for (int j0 = 0; j0 < ctx; j0 += SLICE) {
     const int n = std::min(SLICE, ctx - j0);
     slice_rows(a, vc, table, head_base, lo + j0, n, rows);
+    if (j0 + SLICE < ctx) prefetch_slice(a, vc, table, head_base, lo + j0 + SLICE, std::min(SLICE, ctx - j0 - SLICE));
     for (int g = 0; g < group; ++g) {
       float* ag = part + static_cast<size_t>(g) * d;
       __m256 acc[W];
