@@ -16,12 +16,13 @@ HQ, HKV, BS, NUM_BLOCKS = 6, 2, 4, 512
 def _naive(q, k, v):
     """q [n, Hq, D] at the last n positions of k/v [ctx, Hkv, D]; causal."""
     n, ctx, D = q.shape[0], k.shape[0], q.shape[-1]
-    k = k.repeat_interleave(HQ // HKV, dim=1)
-    v = v.repeat_interleave(HQ // HKV, dim=1)
+    hq = q.shape[1]
+    k = k.repeat_interleave(hq // k.shape[1], dim=1)
+    v = v.repeat_interleave(hq // v.shape[1], dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / D**0.5
     pos_q = torch.arange(ctx - n, ctx).unsqueeze(1)
     scores = scores.masked_fill(torch.arange(ctx).unsqueeze(0) > pos_q, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, HQ * D)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, hq * D)
 
 
 def _as_cached(x: torch.Tensor, kv: str, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -94,18 +95,24 @@ def test_mixed_batch_matches_naive_attention(kv, dtype, path, D):
 
 @pytest.mark.parametrize("kv", ["auto", "fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("contexts", [[1500], [600, 3000, 257]], ids=["one-seq", "three-seqs"])
+@pytest.mark.parametrize(
+    "contexts, heads",
+    [([1500], (HQ, HKV)), ([5000], (9, 3)), ([600, 3000, 257], (HQ, HKV))],
+    ids=["one-seq", "one-long-seq-3-kv-heads", "three-seqs"],
+)
 @pytest.mark.parametrize("build", [(), ("-mno-avx512f",)], ids=["native", "no-avx512"])
-def test_long_context_decodes_match_naive_attention(dtype, contexts, kv, build):
-    """Few sequences with long contexts: the AVX2 path splits each one's keys over the threads
-    and merges the parts (on an AVX-512 machine the native build takes the AVX-512 path and
-    ``-mno-avx512f`` the AVX2 one)."""
+def test_long_context_decodes_match_naive_attention(dtype, contexts, heads, kv, build):
+    """Few sequences with long contexts: the kernel splits each one's keys over the threads
+    and merges the parts (the AVX2 path from 512 keys; the AVX-512 path from 2048 keys where the
+    kv heads do not share evenly over the threads: 3 on 2); on an AVX-512 machine the native
+    build takes the AVX-512 path and ``-mno-avx512f`` the AVX2 one."""
     gen = torch.Generator().manual_seed(len(contexts))
-    D, blocks_per_seq = 64, 200
+    D, blocks_per_seq = 64, 400
+    hq, hkv = heads
     kernel = load_paged_decode_kernel(build)
     assert kernel is not None
     backend = TorchAttentionBackend(
-        HQ, HKV, D, BS, dtype, decode_kernel=kernel, kv_format=kv_cache_format(kv)
+        hq, hkv, D, BS, dtype, decode_kernel=kernel, kv_format=kv_cache_format(kv)
     )
     num_blocks = blocks_per_seq * 4 * len(contexts)
     (cache,) = backend.allocate_cache(1, num_blocks)
@@ -115,14 +122,14 @@ def test_long_context_decodes_match_naive_attention(dtype, contexts, kv, build):
     seqs, ks, vs = [], [], []
     for i, ctx in enumerate(contexts):
         blocks = order[i * blocks_per_seq * 4 : i * blocks_per_seq * 4 + -(-(ctx + 1) // BS)]
-        k = torch.randn(ctx + 1, HKV, D, generator=gen)
-        v = torch.randn(ctx + 1, HKV, D, generator=gen)
+        k = torch.randn(ctx + 1, hkv, D, generator=gen)
+        v = torch.randn(ctx + 1, hkv, D, generator=gen)
         meta = backend.build_metadata([SeqLayout(ctx, 0, blocks)], num_blocks)
         backend._write(cache, k[:ctx].to(dtype), v[:ctx].to(dtype), meta.slot_mapping)
         seqs.append(SeqLayout(1, ctx, blocks))
         ks.append(k)
         vs.append(v)
-    q = torch.randn(len(contexts), HQ, D, generator=gen)
+    q = torch.randn(len(contexts), hq, D, generator=gen)
     meta = backend.build_metadata(seqs, num_blocks)
     new_k = torch.stack([k[-1] for k in ks]).to(dtype)
     new_v = torch.stack([v[-1] for v in vs]).to(dtype)

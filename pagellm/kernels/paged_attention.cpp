@@ -33,6 +33,11 @@ struct Args {
   float v_scale;
 };
 
+// Keys [lo, hi) of one (sequence, kv head) pair: per query head of the group, the output not yet
+// divided by its softmax sum (part[g * d ...]), then the max (part[group * d + g]) and the sum
+// (part[group * d + group + g]) of its scores.
+using PartFn = void (*)(const Args&, int, int, int, int, std::vector<float>&, float*);
+
 inline void prefetch_block(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
@@ -91,41 +96,49 @@ inline __mmask16 tail_mask(int remaining) {
                          : static_cast<__mmask16>((1u << remaining) - 1u);
 }
 
-void softmax_avx512(float* s, int n) {
+// Exponentials of s[0..n) after subtracting their max, in place; returns (max, sum).
+std::pair<float, float> exp_avx512(float* s, int n) {
   __m512 vmax = _mm512_set1_ps(-3.0e38f);
   for (int j = 0; j < n; j += 16) {
     vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail_mask(n - j), s + j));
   }
-  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  const float m = _mm512_reduce_max_ps(vmax);
+  const __m512 mx = _mm512_set1_ps(m);
   __m512 vsum = _mm512_setzero_ps();
   for (int j = 0; j < n; j += 16) {
-    const __mmask16 m = tail_mask(n - j);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mx));
-    _mm512_mask_storeu_ps(s + j, m, e);
-    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+    const __mmask16 k = tail_mask(n - j);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mx));
+    _mm512_mask_storeu_ps(s + j, k, e);
+    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(k, e));
   }
-  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+  return {m, _mm512_reduce_add_ps(vsum)};
+}
+
+void softmax_avx512(float* s, int n) {
+  const __m512 inv = _mm512_set1_ps(1.f / exp_avx512(s, n).second);
   for (int j = 0; j < n; j += 16) {
     const __mmask16 m = tail_mask(n - j);
     _mm512_mask_storeu_ps(s + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), inv));
   }
 }
 
-// Vectorized pair: head_dim = 16 * W (W <= 8), group <= 16. q rows and the output accumulators
-// live in registers/L1; every K and V row of the context is read exactly once.
-// W = head_dim / 16 and G = the group size are compile-time so that the loops over them unroll
-// and the query rows and accumulators stay in registers.
+// Vectorized keys [lo, hi) of a pair (lo a multiple of the block size): head_dim = 16 * W
+// (W <= 8), group <= 16. q rows and the output accumulators live in registers/L1; every K and V
+// row is read exactly once. W = head_dim / 16 and G = the group size are compile-time so that
+// the loops over them unroll and the query rows and accumulators stay in registers. With `part`
+// null, [lo, hi) is the whole context and the output is written; else `part` gets the PartFn
+// layout.
 template <typename T, typename C, int W, int G>
-void attend_pair_avx512(const Args& a, int b, int kvh, std::vector<float>& scores,
-                        std::vector<float>& acc_buf) {
+void attend_range_avx512(const Args& a, int b, int kvh, int lo, int hi,
+                         std::vector<float>& scores, float* part) {
   constexpr int group = G;
   constexpr int w = W;
   const int d = a.head_dim;
-  const int ctx = a.context_lens[b];
+  const int ctx = hi - lo;
   const T* q = static_cast<const T*>(a.q) + (static_cast<int64_t>(b) * a.num_heads + kvh * group) * d;
   const C* kc = static_cast<const C*>(a.k_cache);
   const C* vc = static_cast<const C*>(a.v_cache);
-  const int32_t* table = a.block_tables + static_cast<int64_t>(b) * a.max_blocks;
+  const int32_t* table = a.block_tables + static_cast<int64_t>(b) * a.max_blocks + lo / a.block_size;
   const int64_t head_base = static_cast<int64_t>(kvh) * a.num_blocks * a.block_size;
   __m512 qv[G * W];
   const __m512 scale = _mm512_set1_ps(a.scale);
@@ -174,7 +187,16 @@ void attend_pair_avx512(const Args& a, int b, int kvh, std::vector<float>& score
     }
    }
   }
-  for (int g = 0; g < group; ++g) softmax_avx512(scores.data() + static_cast<size_t>(g) * ctx, ctx);
+  for (int g = 0; g < group; ++g) {
+    float* sg = scores.data() + static_cast<size_t>(g) * ctx;
+    if (part == nullptr) {
+      softmax_avx512(sg, ctx);
+    } else {
+      const auto [mx, sum] = exp_avx512(sg, ctx);
+      part[group * d + g] = mx;
+      part[group * d + group + g] = sum;
+    }
+  }
   for (int blk = 0; blk < std::min(2, num_ctx_blocks); ++blk) {
     prefetch_block(vc + (head_base + static_cast<int64_t>(table[blk]) * a.block_size) * d,
                    block_bytes);
@@ -199,12 +221,27 @@ void attend_pair_avx512(const Args& a, int b, int kvh, std::vector<float>& score
     }
    }
   }
-  acc_buf.resize(static_cast<size_t>(group) * d);
+  if (part != nullptr) {
+    for (int i = 0; i < group * w; ++i) _mm512_storeu_ps(part + i * 16, acc[i]);
+    return;
+  }
+  alignas(64) float acc_buf[G * W * 16];
   const __m512 v_scale = _mm512_set1_ps(a.v_scale);
-  for (int i = 0; i < group * w; ++i)
-    _mm512_storeu_ps(acc_buf.data() + i * 16, _mm512_mul_ps(acc[i], v_scale));
+  for (int i = 0; i < group * w; ++i) _mm512_storeu_ps(acc_buf + i * 16, _mm512_mul_ps(acc[i], v_scale));
   T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.num_heads + kvh * group) * d;
   for (int i = 0; i < group * d; ++i) store(out + i, acc_buf[i]);
+}
+
+template <typename T, typename C, int W, int G>
+void attend_pair_avx512(const Args& a, int b, int kvh, std::vector<float>& scores,
+                        std::vector<float>&) {
+  attend_range_avx512<T, C, W, G>(a, b, kvh, 0, a.context_lens[b], scores, nullptr);
+}
+
+template <typename T, typename C, int W, int G>
+void attend_part_avx512(const Args& a, int b, int kvh, int lo, int hi, std::vector<float>& scores,
+                        float* part) {
+  attend_range_avx512<T, C, W, G>(a, b, kvh, lo, hi, scores, part);
 }
 
 template <typename T, typename C, int W>
@@ -228,6 +265,29 @@ void (*pick_avx512(int head_dim, int group))(const Args&, int, int, std::vector<
                                               std::vector<float>&) {
   if (head_dim == 64) return pick_group<T, C, 4>(group);
   if (head_dim == 128) return pick_group<T, C, 8>(group);
+  return nullptr;
+}
+
+template <typename T, typename C, int W>
+PartFn pick_part_group(int group) {
+  switch (group) {
+    case 1: return attend_part_avx512<T, C, W, 1>;
+    case 2: return attend_part_avx512<T, C, W, 2>;
+    case 3: return attend_part_avx512<T, C, W, 3>;
+    case 4: return attend_part_avx512<T, C, W, 4>;
+    case 5: return attend_part_avx512<T, C, W, 5>;
+    case 6: return attend_part_avx512<T, C, W, 6>;
+    case 7: return attend_part_avx512<T, C, W, 7>;
+    case 8: return attend_part_avx512<T, C, W, 8>;
+    default: return nullptr;
+  }
+}
+
+// The vectorized part for this shape, or nullptr (then pairs are not split).
+template <typename T, typename C>
+PartFn pick_part_avx512(int head_dim, int group) {
+  if (head_dim == 64) return pick_part_group<T, C, 4>(group);
+  if (head_dim == 128) return pick_part_group<T, C, 8>(group);
   return nullptr;
 }
 #endif
@@ -413,70 +473,6 @@ void attend_part_avx2(const Args& a, int b, int kvh, int lo, int hi, std::vector
   }
 }
 
-using PartFn = void (*)(const Args&, int, int, int, int, std::vector<float>&, float*);
-
-// Pairs split into parts of at least SPLIT_KEYS keys when there are fewer pairs than work for
-// every thread (one sequence: a few kv heads for all the cores), on torch's OpenMP pool; the
-// parts are merged by their max and sum (flash-decoding).
-constexpr int SPLIT_KEYS = 256;
-constexpr int MAX_SPLIT = 64;
-
-// With fixed_split (batch-invariant mode) a pair's parts depend on its context length alone.
-template <typename T>
-void run_avx2(const Args& a, int num_threads, PartFn fn, bool fixed_split) {
-  const int group = a.num_heads / a.num_kv_heads;
-  const int d = a.head_dim;
-  const int pairs = a.batch * a.num_kv_heads;
-  const int want = fixed_split ? MAX_SPLIT : (4 * num_threads + pairs - 1) / pairs;
-  struct Task { int pair, lo, hi, slot; };
-  std::vector<Task> tasks;
-  std::vector<std::pair<int, int>> slots(pairs);  // first slot, parts
-  for (int p = 0; p < pairs; ++p) {
-    const int ctx = a.context_lens[p / a.num_kv_heads];
-    const int parts = std::max(1, std::min({want, ctx / SPLIT_KEYS, MAX_SPLIT}));
-    slots[p] = {static_cast<int>(tasks.size()), parts};
-    const int span = (ctx + parts - 1) / parts;
-    for (int i = 0; i < parts; ++i) {
-      tasks.push_back({p, i * span, std::min(ctx, (i + 1) * span), static_cast<int>(tasks.size())});
-    }
-  }
-  const size_t stride = static_cast<size_t>(group) * (d + 2);
-  std::vector<float> buf(tasks.size() * stride);
-  const int n = static_cast<int>(tasks.size());
-  num_threads = std::max(1, std::min(num_threads, n));
-#pragma omp parallel num_threads(num_threads)
-  {
-    std::vector<float> scores;
-#pragma omp for schedule(dynamic, 1)
-    for (int i = 0; i < n; ++i) {
-      const Task& t = tasks[i];
-      fn(a, t.pair / a.num_kv_heads, t.pair % a.num_kv_heads, t.lo, t.hi, scores,
-         buf.data() + t.slot * stride);
-    }
-#pragma omp for schedule(static)
-    for (int p = 0; p < pairs; ++p) {
-      const int first = slots[p].first, parts = slots[p].second;
-      T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(p / a.num_kv_heads) * a.num_heads +
-                                         (p % a.num_kv_heads) * group) * d;
-      for (int g = 0; g < group; ++g) {
-        float m = -3.0e38f;
-        for (int i = 0; i < parts; ++i) m = std::max(m, buf[(first + i) * stride + group * d + g]);
-        float w[MAX_SPLIT], total = 0.f;
-        for (int i = 0; i < parts; ++i) {
-          const float* part = buf.data() + (first + i) * stride;
-          w[i] = std::exp(part[group * d + g] - m);
-          total += part[group * d + group + g] * w[i];
-        }
-        for (int x = 0; x < d; ++x) {
-          float acc = 0.f;
-          for (int i = 0; i < parts; ++i) acc += buf[(first + i) * stride + g * d + x] * w[i];
-          store(out + g * d + x, acc / total * a.v_scale);
-        }
-      }
-    }
-  }
-}
-
 // The vectorized part for this head size, or nullptr (then the portable loop runs).
 template <typename T, typename C>
 PartFn pick_avx2(int head_dim) {
@@ -549,6 +545,71 @@ void attend_pair(const Args& a, int b, int kvh, std::vector<float>& scores,
   for (int i = 0; i < group * d; ++i) store(out + i, acc[i] * a.v_scale);
 }
 
+// Pairs split into parts of at least SPLIT_KEYS keys when there are fewer pairs than work for
+// every thread (one sequence: a few kv heads for all the cores), on torch's OpenMP pool; the
+// parts are merged by their max and sum (flash-decoding).
+constexpr int SPLIT_KEYS = 256;
+constexpr int MAX_SPLIT = 64;
+constexpr int SPLIT_FROM = 2048;  // AVX-512: the shortest context that splits
+
+// With fixed_split (batch-invariant mode) a pair's parts depend on its context length alone.
+// A part's first key is a multiple of `align` (the AVX-512 parts walk whole cache blocks).
+template <typename T>
+void run_parts(const Args& a, int num_threads, PartFn fn, bool fixed_split, int align) {
+  const int group = a.num_heads / a.num_kv_heads;
+  const int d = a.head_dim;
+  const int pairs = a.batch * a.num_kv_heads;
+  const int want = fixed_split ? MAX_SPLIT : (4 * num_threads + pairs - 1) / pairs;
+  struct Task { int pair, lo, hi, slot; };
+  std::vector<Task> tasks;
+  std::vector<std::pair<int, int>> slots(pairs);  // first slot, parts
+  for (int p = 0; p < pairs; ++p) {
+    const int ctx = a.context_lens[p / a.num_kv_heads];
+    const int parts = std::max(1, std::min({want, ctx / SPLIT_KEYS, MAX_SPLIT}));
+    slots[p] = {static_cast<int>(tasks.size()), parts};
+    const int span = ((ctx + parts - 1) / parts + align - 1) / align * align;
+    for (int i = 0; i < parts && i * span < ctx; ++i) {
+      tasks.push_back({p, i * span, std::min(ctx, (i + 1) * span), static_cast<int>(tasks.size())});
+    }
+    slots[p].second = static_cast<int>(tasks.size()) - slots[p].first;
+  }
+  const size_t stride = static_cast<size_t>(group) * (d + 2);
+  std::vector<float> buf(tasks.size() * stride);
+  const int n = static_cast<int>(tasks.size());
+  num_threads = std::max(1, std::min(num_threads, n));
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < n; ++i) {
+      const Task& t = tasks[i];
+      fn(a, t.pair / a.num_kv_heads, t.pair % a.num_kv_heads, t.lo, t.hi, scores,
+         buf.data() + t.slot * stride);
+    }
+#pragma omp for schedule(static)
+    for (int p = 0; p < pairs; ++p) {
+      const int first = slots[p].first, parts = slots[p].second;
+      T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(p / a.num_kv_heads) * a.num_heads +
+                                         (p % a.num_kv_heads) * group) * d;
+      for (int g = 0; g < group; ++g) {
+        float m = -3.0e38f;
+        for (int i = 0; i < parts; ++i) m = std::max(m, buf[(first + i) * stride + group * d + g]);
+        float w[MAX_SPLIT], total = 0.f;
+        for (int i = 0; i < parts; ++i) {
+          const float* part = buf.data() + (first + i) * stride;
+          w[i] = std::exp(part[group * d + g] - m);
+          total += part[group * d + group + g] * w[i];
+        }
+        for (int x = 0; x < d; ++x) {
+          float acc = 0.f;
+          for (int i = 0; i < parts; ++i) acc += buf[(first + i) * stride + g * d + x] * w[i];
+          store(out + g * d + x, acc / total * a.v_scale);
+        }
+      }
+    }
+  }
+}
+
 template <typename T, typename C>
 void run(const Args& a, int num_threads, bool fixed_split) {
   const int pairs = a.batch * a.num_kv_heads;
@@ -556,9 +617,23 @@ void run(const Args& a, int num_threads, bool fixed_split) {
   PairFn vectorized = nullptr;
 #if defined(__AVX512F__)
   vectorized = pick_avx512<T, C>(a.head_dim, a.num_heads / a.num_kv_heads);
+  // Fewer pairs than work for every thread, not shared evenly (one sequence: 3 kv heads on 2
+  // cores), and a context long enough to split: parts over the threads, merged (as on AVX2).
+  // 30 layers of SmolLM2's heads, one sequence, 2-core Xeon: 1.08x at 4000 keys and 1.13x at
+  // 8000 (the keys come from DRAM), 0.97-1.02x at 600-2000 (hence SPLIT_FROM).
+  // Batch-invariant mode keeps whole pairs (their bits then do not depend on the batch).
+  PartFn part = fixed_split ? nullptr : pick_part_avx512<T, C>(a.head_dim, a.num_heads / a.num_kv_heads);
+  if (part != nullptr && pairs < 4 * num_threads && pairs % num_threads != 0) {
+    bool long_context = false;
+    for (int b = 0; b < a.batch; ++b) long_context |= a.context_lens[b] >= SPLIT_FROM;
+    if (long_context) {
+      run_parts<T>(a, num_threads, part, false, a.block_size);
+      return;
+    }
+  }
 #elif defined(__AVX2__) && defined(__FMA__)
   if (PartFn part = pick_avx2<T, C>(a.head_dim)) {
-    run_avx2<T>(a, num_threads, part, fixed_split);
+    run_parts<T>(a, num_threads, part, fixed_split, 1);
     return;
   }
 #endif
