@@ -147,3 +147,52 @@ def test_long_context_decodes_match_naive_attention(dtype, contexts, heads, kv, 
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     tol *= 1 if kv == "auto" else 3
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_fused_rotary_and_write_matches_the_eager_rotary_and_write(dtype, kv):
+    """``rotate_and_write`` (the C++ rotary + K/V write of eager CPU steps) leaves the same bits
+    in q and in the cache as the eager rotary followed by ``forward``'s write; with an FP8 cache
+    (quantized as written) it declines and the caller takes the eager path."""
+    from pagellm.kernels.decode_ops import load_decode_ops
+    from pagellm.layers.rotary import RotaryEmbedding, inverse_frequencies
+
+    D, tokens = 64, 40
+    gen = torch.Generator().manual_seed(5)
+    backends = [
+        TorchAttentionBackend(
+            HQ,
+            HKV,
+            D,
+            BS,
+            dtype,
+            decode_kernel=load_paged_decode_kernel(),
+            prefill_kernel=load_paged_prefill_kernel(),
+            kv_format=kv_cache_format(kv),
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    fused, eager = backends
+    fused.rope_ops = load_decode_ops()
+    rotary = RotaryEmbedding(D, 4096, inverse_frequencies(D, 10000.0, None, None))
+    blocks = torch.randperm(NUM_BLOCKS, generator=gen)[: -(-(100 + tokens) // BS)].tolist()
+    seq = SeqLayout(tokens, 100, blocks)  # a chunk after 100 cached positions
+    positions = torch.arange(100, 100 + tokens)
+    qkv = torch.randn(tokens, (HQ + 2 * HKV) * D, generator=gen).to(dtype)
+    (fused_cache,) = fused.allocate_cache(1, NUM_BLOCKS)
+    (eager_cache,) = eager.allocate_cache(1, NUM_BLOCKS)
+    meta = fused.build_metadata([seq], NUM_BLOCKS)
+    q = fused.rotate_and_write(fused_cache, qkv, positions, rotary, meta)
+    if kv != "auto":
+        assert q is None
+        return
+    qk = qkv[:, : (HQ + HKV) * D].reshape(tokens, HQ + HKV, D)
+    q_ref, k_ref = rotary(positions, qk).split([HQ, HKV], dim=1)
+    v_ref = qkv[:, (HQ + HKV) * D :].reshape(tokens, HKV, D)
+    eager._write(eager_cache, k_ref, v_ref, meta.slot_mapping)
+    assert torch.equal(q, q_ref)
+    assert torch.equal(fused_cache.k, eager_cache.k) and torch.equal(fused_cache.v, eager_cache.v)
+    out = fused.forward(fused_cache, q, None, None, meta)
+    expected = eager.forward(eager_cache, q_ref.contiguous(), k_ref, v_ref, meta)
+    assert torch.equal(out, expected)

@@ -17,6 +17,11 @@ no score matrix is formed). Without that kernel they are attended one sequence a
 GEMMs over a gathered prefix, causal within the chunk. Metadata is built on the host and moved
 to the device once per step.
 
+On a CPU with the C++ kernels an eager step's rotary and K/V write are one call of the fused
+decode op (``rotate_and_write``, the same bits as the eager rotary): the layer hands over its
+q/k/v projection and gets q back rotated, k and v already in the cache (a 2048-token chunk of
+SmolLM2: 0.4 ms a layer where the eager rotary took 1.6 and the write 0.35).
+
 With an FP8 cache (``--kv-cache-dtype fp8``) the step's K and V are quantized as they are written
 and every path reads them back from the cache: the C++ kernels convert FP8 as they load, the
 PyTorch paths dequantize what they gather, and a chunk that starts its sequence attends to its
@@ -33,6 +38,7 @@ import torch.nn.functional as F
 
 from pagellm.attention.backend import SeqLayout
 from pagellm.attention.kv_cache import KVCacheFormat, LayerKV
+from pagellm.kernels.decode_ops import DTYPE_CODES, DecodeOps
 from pagellm.kernels.paged_attention import PagedDecodeKernel, PagedPrefillKernel
 
 
@@ -108,6 +114,9 @@ class TorchAttentionBackend:
             prefill_kernel if prefill_kernel and prefill_kernel.supports(dtype, code) else None
         )
         """The C++ kernel on a CPU, the Triton one on a GPU (same contract)."""
+        self.rope_ops: DecodeOps | None = None
+        """The C++ decode ops (set by the runner on a CPU): ``rotate_and_write`` then rotates
+        q and k and writes k and v into the cache in one call."""
         self.fused_sdpa = not on_cpu
         """On a GPU, reduced precision also goes through SDPA (flash / memory-efficient)."""
         self.num_heads = num_heads
@@ -248,15 +257,56 @@ class TorchAttentionBackend:
 
     # ----- per layer --------------------------------------------------------------------
 
+    def rotate_and_write(
+        self,
+        cache: LayerKV,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: torch.nn.Module,
+        meta: TorchAttentionMetadata,
+    ) -> torch.Tensor | None:
+        """q [tokens, heads, head_dim] rotated from the fused projection ``qkv`` [tokens, (heads
+        + 2 kv heads) x head_dim], with k rotated and v written into the cache at the step's
+        slots, by the C++ op; None where it does not apply (no op, an FP8 cache, no prefill
+        kernel to take every chunk from the cache, another dtype): then the caller rotates and
+        ``forward`` writes."""
+        ops = self.rope_ops
+        if (
+            ops is None
+            or self.prefill_kernel is None
+            or self.kv_format.fp8 is not None
+            or qkv.dtype not in DTYPE_CODES
+            or qkv.dtype != cache.k.dtype
+            or not qkv.is_contiguous()
+            or positions.dtype != torch.long
+            or not rotary.cos.is_contiguous()
+        ):
+            return None
+        tokens = qkv.shape[0]
+        hkv, nb, bs, d = cache.k.shape
+        q = torch.empty(tokens, self.num_heads, d, dtype=qkv.dtype)
+        rc = ops.rope_kv_write(
+            DTYPE_CODES[qkv.dtype], qkv.data_ptr(), positions.contiguous().data_ptr(),
+            rotary.cos.data_ptr(), rotary.sin.data_ptr(), q.data_ptr(), cache.k.data_ptr(),
+            cache.v.data_ptr(), meta.slot_mapping.data_ptr(), tokens, self.num_heads, hkv, d,
+            nb * bs, torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"decode_rope_kv_write failed with code {rc}")
+        return q
+
     def forward(
         self,
         cache: LayerKV,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         meta: TorchAttentionMetadata,
     ) -> torch.Tensor:
-        self._write(cache, k, v, meta.slot_mapping)
+        """Attention of the step's queries; k and v None: already in the cache
+        (``rotate_and_write``)."""
+        if k is not None:
+            self._write(cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         nr = meta.num_rows
         if nr:

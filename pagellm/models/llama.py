@@ -104,6 +104,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: Any, meta: Any):
         qkv = self.qkv_proj(x)
         tokens = qkv.shape[0]
+        fused = getattr(self.backend, "rotate_and_write", None)
+        if fused is not None and self.q_norm is None:
+            q = fused(cache, qkv, positions, self.rotary, meta)
+            if q is not None:  # rotated, with k and v in the cache already
+                out = self.backend.forward(cache, q, None, None, meta)
+                return self.comm.all_reduce(self.o_proj(out))
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.reshape(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
