@@ -129,8 +129,8 @@ void softmax_avx512(float* s, int n) {
 // null, [lo, hi) is the whole context and the output is written; else `part` gets the PartFn
 // layout.
 template <typename T, typename C, int W, int G>
-void attend_range_avx512(const Args& a, int b, int kvh, int lo, int hi,
-                         std::vector<float>& scores, float* part) {
+void attend_part_avx512(const Args& a, int b, int kvh, int lo, int hi,
+                        std::vector<float>& scores, float* part) {
   constexpr int group = G;
   constexpr int w = W;
   const int d = a.head_dim;
@@ -232,42 +232,6 @@ void attend_range_avx512(const Args& a, int b, int kvh, int lo, int hi,
   for (int i = 0; i < group * d; ++i) store(out + i, acc_buf[i]);
 }
 
-template <typename T, typename C, int W, int G>
-void attend_pair_avx512(const Args& a, int b, int kvh, std::vector<float>& scores,
-                        std::vector<float>&) {
-  attend_range_avx512<T, C, W, G>(a, b, kvh, 0, a.context_lens[b], scores, nullptr);
-}
-
-template <typename T, typename C, int W, int G>
-void attend_part_avx512(const Args& a, int b, int kvh, int lo, int hi, std::vector<float>& scores,
-                        float* part) {
-  attend_range_avx512<T, C, W, G>(a, b, kvh, lo, hi, scores, part);
-}
-
-template <typename T, typename C, int W>
-void (*pick_group(int group))(const Args&, int, int, std::vector<float>&, std::vector<float>&) {
-  switch (group) {
-    case 1: return attend_pair_avx512<T, C, W, 1>;
-    case 2: return attend_pair_avx512<T, C, W, 2>;
-    case 3: return attend_pair_avx512<T, C, W, 3>;
-    case 4: return attend_pair_avx512<T, C, W, 4>;
-    case 5: return attend_pair_avx512<T, C, W, 5>;
-    case 6: return attend_pair_avx512<T, C, W, 6>;
-    case 7: return attend_pair_avx512<T, C, W, 7>;
-    case 8: return attend_pair_avx512<T, C, W, 8>;
-    default: return nullptr;
-  }
-}
-
-// The vectorized pair for this shape, or nullptr (then the portable loop runs).
-template <typename T, typename C>
-void (*pick_avx512(int head_dim, int group))(const Args&, int, int, std::vector<float>&,
-                                              std::vector<float>&) {
-  if (head_dim == 64) return pick_group<T, C, 4>(group);
-  if (head_dim == 128) return pick_group<T, C, 8>(group);
-  return nullptr;
-}
-
 template <typename T, typename C, int W>
 PartFn pick_part_group(int group) {
   switch (group) {
@@ -283,7 +247,8 @@ PartFn pick_part_group(int group) {
   }
 }
 
-// The vectorized part for this shape, or nullptr (then pairs are not split).
+// The vectorized part for this shape (with `part` null: a whole pair, its output written), or
+// nullptr (then the portable loop runs).
 template <typename T, typename C>
 PartFn pick_part_avx512(int head_dim, int group) {
   if (head_dim == 64) return pick_part_group<T, C, 4>(group);
@@ -613,21 +578,20 @@ void run_parts(const Args& a, int num_threads, PartFn fn, bool fixed_split, int 
 template <typename T, typename C>
 void run(const Args& a, int num_threads, bool fixed_split) {
   const int pairs = a.batch * a.num_kv_heads;
-  using PairFn = void (*)(const Args&, int, int, std::vector<float>&, std::vector<float>&);
-  PairFn vectorized = nullptr;
+  PartFn vectorized = nullptr;
 #if defined(__AVX512F__)
-  vectorized = pick_avx512<T, C>(a.head_dim, a.num_heads / a.num_kv_heads);
+  vectorized = pick_part_avx512<T, C>(a.head_dim, a.num_heads / a.num_kv_heads);
   // Fewer pairs than work for every thread, not shared evenly (one sequence: 3 kv heads on 2
   // cores), and a context long enough to split: parts over the threads, merged (as on AVX2).
   // 30 layers of SmolLM2's heads, one sequence, 2-core Xeon: 1.08x at 4000 keys and 1.13x at
   // 8000 (the keys come from DRAM), 0.97-1.02x at 600-2000 (hence SPLIT_FROM).
   // Batch-invariant mode keeps whole pairs (their bits then do not depend on the batch).
-  PartFn part = fixed_split ? nullptr : pick_part_avx512<T, C>(a.head_dim, a.num_heads / a.num_kv_heads);
-  if (part != nullptr && pairs < 4 * num_threads && pairs % num_threads != 0) {
+  if (vectorized != nullptr && !fixed_split && pairs < 4 * num_threads &&
+      pairs % num_threads != 0) {
     bool long_context = false;
     for (int b = 0; b < a.batch; ++b) long_context |= a.context_lens[b] >= SPLIT_FROM;
     if (long_context) {
-      run_parts<T>(a, num_threads, part, false, a.block_size);
+      run_parts<T>(a, num_threads, vectorized, false, a.block_size);
       return;
     }
   }
@@ -646,7 +610,8 @@ void run(const Args& a, int num_threads, bool fixed_split) {
 #pragma omp for schedule(dynamic, 1)
     for (int p = 0; p < pairs; ++p) {
       if (vectorized != nullptr) {
-        vectorized(a, p / a.num_kv_heads, p % a.num_kv_heads, scores, acc);
+        const int b = p / a.num_kv_heads;
+        vectorized(a, b, p % a.num_kv_heads, 0, a.context_lens[b], scores, nullptr);
       } else {
         attend_pair<T, C>(a, p / a.num_kv_heads, p % a.num_kv_heads, scores, acc, qf);
       }

@@ -516,22 +516,18 @@ inline void pair_bf16(vf a, vf b, uint16_t* dst) {
   for (int l = 0; l < VW; ++l) store(dst + 2 * l, a[l]), store(dst + 2 * l + 1, b[l]);
 }
 
-// 2^x for x <= 0 (-inf gives 0): 2^round(x) times a degree-5 polynomial of the rest (|f| <= 1/2,
-// relative error ~3e-6: P is rounded to bf16 next, and the sum keeps the same values).
-inline vf vexp2(vf x) {
+// 2^x as 2^round(x) times a polynomial of the rest f (|f| <= 1/2), coefficients from the
+// highest power; N: the polynomial's terms. Without AVX-512 (or 8 lanes) e^(x ln 2).
+template <int N>
+inline vf exp2_poly(vf x, const float (&c)[N]) {
 #if defined(__AVX512F__)
   if constexpr (VW == 16) {
     __m512 t;
     std::memcpy(&t, &x, 64);
-    t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.3333558e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022651f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    __m512 p = _mm512_set1_ps(c[0]);
+    for (int i = 1; i < N; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
     p = _mm512_scalef_ps(p, n);
     vf r;
     std::memcpy(&r, &p, 64);
@@ -541,26 +537,22 @@ inline vf vexp2(vf x) {
   return vexp(x * 0.6931471805599453f);
 }
 
-// 2^x for finite x (no clamp: masked scores are -1e30, not -inf), a degree-3 polynomial
-// (relative error 7.5e-5, under bf16's rounding of P, 2e-3): the softmax's probabilities.
+// 2^x for x <= 0 (-inf gives 0), degree 5 (relative error ~3e-6): the rescale factors.
+inline vf vexp2(vf x) {
+  static constexpr float c[6] = {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f,
+                                 0.24022651f,   0.69314718f,   1.f};
+  return exp2_poly(x > splat(-126.f) ? x : splat(-126.f), c);  // NaN and -inf: -126
+}
+
+// 2^x for finite x (no clamp: masked scores are -1e30, not -inf), degree 3 (relative error
+// 7.5e-5, under bf16's rounding of P, 2e-3): the softmax's probabilities.
 inline vf vexp2_p(vf x) {
-#if defined(__AVX512F__) && !defined(PP_EXP_DEG5)
-  if constexpr (VW == 16) {
-    __m512 t;
-    std::memcpy(&t, &x, 64);
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(5.5171669e-2f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24261115f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69326097f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.99992806f));
-    p = _mm512_scalef_ps(p, n);
-    vf r;
-    std::memcpy(&r, &p, 64);
-    return r;
-  }
-#endif
+#if defined(PP_EXP_DEG5)
   return vexp2(x);
+#else
+  static constexpr float c[4] = {5.5171669e-2f, 0.24261115f, 0.69326097f, 0.99992806f};
+  return exp2_poly(x, c);
+#endif
 }
 
 constexpr float LAZY = 8.f;
