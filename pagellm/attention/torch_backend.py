@@ -285,8 +285,9 @@ class TorchAttentionBackend:
         tokens = qkv.shape[0]
         hkv, nb, bs, d = cache.k.shape
         q = torch.empty(tokens, self.num_heads, d, dtype=qkv.dtype)
+        positions = positions.contiguous()  # held here: the call reads its memory
         rc = ops.rope_kv_write(
-            DTYPE_CODES[qkv.dtype], qkv.data_ptr(), positions.contiguous().data_ptr(),
+            DTYPE_CODES[qkv.dtype], qkv.data_ptr(), positions.data_ptr(),
             rotary.cos.data_ptr(), rotary.sin.data_ptr(), q.data_ptr(), cache.k.data_ptr(),
             cache.v.data_ptr(), meta.slot_mapping.data_ptr(), tokens, self.num_heads, hkv, d,
             nb * bs, torch.get_num_threads(),
