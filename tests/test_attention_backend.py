@@ -174,7 +174,7 @@ def test_fused_rotary_and_write_matches_the_eager_rotary_and_write(dtype, kv):
         for _ in range(2)
     ]
     fused, eager = backends
-    fused.rope_ops = load_decode_ops()
+    fused.use_rope_ops(load_decode_ops())
     rotary = RotaryEmbedding(D, 4096, inverse_frequencies(D, 10000.0, None, None))
     blocks = torch.randperm(NUM_BLOCKS, generator=gen)[: -(-(100 + tokens) // BS)].tolist()
     seq = SeqLayout(tokens, 100, blocks)  # a chunk after 100 cached positions

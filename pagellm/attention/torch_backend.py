@@ -115,8 +115,7 @@ class TorchAttentionBackend:
         )
         """The C++ kernel on a CPU, the Triton one on a GPU (same contract)."""
         self.rope_ops: DecodeOps | None = None
-        """The C++ decode ops (set by the runner on a CPU): ``rotate_and_write`` then rotates
-        q and k and writes k and v into the cache in one call."""
+        """The C++ decode ops where ``rotate_and_write`` applies (``use_rope_ops``)."""
         self.fused_sdpa = not on_cpu
         """On a GPU, reduced precision also goes through SDPA (flash / memory-efficient)."""
         self.num_heads = num_heads
@@ -257,6 +256,18 @@ class TorchAttentionBackend:
 
     # ----- per layer --------------------------------------------------------------------
 
+    def use_rope_ops(self, ops: DecodeOps) -> None:
+        """Let ``rotate_and_write`` rotate q and k and write k and v in one call of ``ops``
+        (the runner, on a CPU): only where every step's K/V are read back from the cache by
+        the C++ kernels (a prefill kernel takes every chunk) and stored as q's dtype (no FP8)."""
+        applies = (
+            self.prefill_kernel is not None
+            and self.kv_format.fp8 is None
+            and self.dtype in DTYPE_CODES
+            and self.device.type == "cpu"
+        )
+        self.rope_ops = ops if applies else None
+
     def rotate_and_write(
         self,
         cache: LayerKV,
@@ -267,20 +278,10 @@ class TorchAttentionBackend:
     ) -> torch.Tensor | None:
         """q [tokens, heads, head_dim] rotated from the fused projection ``qkv`` [tokens, (heads
         + 2 kv heads) x head_dim], with k rotated and v written into the cache at the step's
-        slots, by the C++ op; None where it does not apply (no op, an FP8 cache, no prefill
-        kernel to take every chunk from the cache, another dtype): then the caller rotates and
-        ``forward`` writes."""
+        slots, by the C++ op; None where it does not apply (see ``use_rope_ops``): then the
+        caller rotates and ``forward`` writes."""
         ops = self.rope_ops
-        if (
-            ops is None
-            or self.prefill_kernel is None
-            or self.kv_format.fp8 is not None
-            or qkv.dtype not in DTYPE_CODES
-            or qkv.dtype != cache.k.dtype
-            or not qkv.is_contiguous()
-            or positions.dtype != torch.long
-            or not rotary.cos.is_contiguous()
-        ):
+        if ops is None or not qkv.is_contiguous():
             return None
         tokens = qkv.shape[0]
         hkv, nb, bs, d = cache.k.shape

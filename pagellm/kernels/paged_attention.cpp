@@ -531,12 +531,12 @@ void run_parts(const Args& a, int num_threads, PartFn fn, bool fixed_split, int 
   for (int p = 0; p < pairs; ++p) {
     const int ctx = a.context_lens[p / a.num_kv_heads];
     const int parts = std::max(1, std::min({want, ctx / SPLIT_KEYS, MAX_SPLIT}));
-    slots[p] = {static_cast<int>(tasks.size()), parts};
+    const int first = static_cast<int>(tasks.size());
     const int span = ((ctx + parts - 1) / parts + align - 1) / align * align;
-    for (int i = 0; i < parts && i * span < ctx; ++i) {
-      tasks.push_back({p, i * span, std::min(ctx, (i + 1) * span), static_cast<int>(tasks.size())});
+    for (int lo = 0; lo < ctx; lo += span) {
+      tasks.push_back({p, lo, std::min(ctx, lo + span), static_cast<int>(tasks.size())});
     }
-    slots[p].second = static_cast<int>(tasks.size()) - slots[p].first;
+    slots[p] = {first, static_cast<int>(tasks.size()) - first};
   }
   const size_t stride = static_cast<size_t>(group) * (d + 2);
   std::vector<float> buf(tasks.size() * stride);

@@ -246,8 +246,8 @@ class ModelRunner:
             )  # fmt: skip
         self.captured = self._captured_decoder(capture_max_size)
         ops = load_decode_ops() if device.type == "cpu" else None
-        if ops is not None and hasattr(self.backend, "rope_ops"):
-            self.backend.rope_ops = ops  # eager steps: rotary + K/V write in one call
+        if ops is not None and hasattr(self.backend, "use_rope_ops"):
+            self.backend.use_rope_ops(ops)  # eager steps: rotary + K/V write in one call
         self.sampler = Sampler(
             argmax=ops.argmax if ops is not None else None,
             apply_bitmask=ops.apply_bitmask if ops is not None else None,
