@@ -38,9 +38,13 @@ struct Args {
 // (part[group * d + group + g]) of its scores.
 using PartFn = void (*)(const Args&, int, int, int, int, std::vector<float>&, float*);
 
+// Locality 3 fetches into L1, 1 into L2 only: the AVX-512 kernel's prefetches then do not wait
+// on L1's few fill buffers (30 layers of SmolLM2's heads from DRAM, 2-core Xeon, against L1:
+// 1.01-1.08x at 32-256 sequences of 90-650 keys, 1.00-1.09x at 1-2 sequences of 600-8000).
+template <int Locality = 3>
 inline void prefetch_block(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, Locality);
 }
 
 #if defined(__AVX512F__)
@@ -148,7 +152,7 @@ void attend_part_avx512(const Args& a, int b, int kvh, int lo, int hi,
   const int64_t block_bytes = static_cast<int64_t>(a.block_size) * d * sizeof(C);
   const int num_ctx_blocks = (ctx + a.block_size - 1) / a.block_size;
   for (int blk = 0; blk < std::min(2, num_ctx_blocks); ++blk) {
-    prefetch_block(kc + (head_base + static_cast<int64_t>(table[blk]) * a.block_size) * d,
+    prefetch_block<1>(kc + (head_base + static_cast<int64_t>(table[blk]) * a.block_size) * d,
                    block_bytes);
   }
   // Walk the context block by block (no integer division per row); blocks lie at random places
@@ -156,7 +160,7 @@ void attend_part_avx512(const Args& a, int b, int kvh, int lo, int hi,
   for (int j0 = 0, blk = 0; j0 < ctx; j0 += a.block_size, ++blk) {
    const C* kblock = kc + (head_base + static_cast<int64_t>(table[blk]) * a.block_size) * d;
    if (j0 + 2 * a.block_size < ctx) {
-     prefetch_block(kc + (head_base + static_cast<int64_t>(table[blk + 2]) * a.block_size) * d,
+     prefetch_block<1>(kc + (head_base + static_cast<int64_t>(table[blk + 2]) * a.block_size) * d,
                     block_bytes);
    }
    const int rows = std::min(a.block_size, ctx - j0);
@@ -198,7 +202,7 @@ void attend_part_avx512(const Args& a, int b, int kvh, int lo, int hi,
     }
   }
   for (int blk = 0; blk < std::min(2, num_ctx_blocks); ++blk) {
-    prefetch_block(vc + (head_base + static_cast<int64_t>(table[blk]) * a.block_size) * d,
+    prefetch_block<1>(vc + (head_base + static_cast<int64_t>(table[blk]) * a.block_size) * d,
                    block_bytes);
   }
   __m512 acc[G * W];
@@ -206,7 +210,7 @@ void attend_part_avx512(const Args& a, int b, int kvh, int lo, int hi,
   for (int j0 = 0, blk = 0; j0 < ctx; j0 += a.block_size, ++blk) {
    const C* vblock = vc + (head_base + static_cast<int64_t>(table[blk]) * a.block_size) * d;
    if (j0 + 2 * a.block_size < ctx) {
-     prefetch_block(vc + (head_base + static_cast<int64_t>(table[blk + 2]) * a.block_size) * d,
+     prefetch_block<1>(vc + (head_base + static_cast<int64_t>(table[blk + 2]) * a.block_size) * d,
                     block_bytes);
    }
    const int rows = std::min(a.block_size, ctx - j0);
