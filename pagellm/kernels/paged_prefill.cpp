@@ -212,7 +212,8 @@ void accumulate_tile(const float* st, const float* const* vrow, int n, int d, co
 // Q^T (32 dims in pairs x 16 rows: a B tile), summed over the head dim's 32-wide slices, two C
 // tiles for the item's 32 rows. q goes in unscaled (bf16 as it is); the scale comes after. With
 // the products with V on tiles too (vector_amx_pv), 30 layers of SmolLM2's heads on a 2-core
-// Xeon, 5-11 tokens over 2000-7900 cached keys: 1.5-1.8x the vector path's speed.
+// Xeon, 5-11 tokens over 2000-7900 cached keys: 1.5-1.8x the vector path's speed (with the
+// degree-3 2^x for P, which is rounded to bf16 anyway: another 1.05-1.09x).
 // Tiles: 0 K, 1-2 Q^T halves, 3-4 S^T halves (the standard configuration of amx_common.h).
 //
 // Q^T in B-tile form [d / 32][row half][16 dim pairs][16 rows] of 32-bit bf16 pairs.
@@ -254,6 +255,45 @@ void vector_amx_scores(const Args& a, const uint16_t* kc, const int32_t* table, 
   }
 }
 #endif
+
+// 2^x as 2^round(x) times a polynomial of the rest f (|f| <= 1/2), coefficients from the
+// highest power; N: the polynomial's terms. Without AVX-512 (or 8 lanes) e^(x ln 2).
+template <int N>
+inline vf exp2_poly(vf x, const float (&c)[N]) {
+#if defined(__AVX512F__)
+  if constexpr (VW == 16) {
+    __m512 t;
+    std::memcpy(&t, &x, 64);
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(c[0]);
+    for (int i = 1; i < N; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+    p = _mm512_scalef_ps(p, n);
+    vf r;
+    std::memcpy(&r, &p, 64);
+    return r;
+  }
+#endif
+  return vexp(x * 0.6931471805599453f);
+}
+
+// 2^x for x <= 0 (-inf gives 0), degree 5 (relative error ~3e-6): the rescale factors.
+inline vf vexp2(vf x) {
+  static constexpr float c[6] = {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f,
+                                 0.24022651f,   0.69314718f,   1.f};
+  return exp2_poly(x > splat(-126.f) ? x : splat(-126.f), c);  // NaN and -inf: -126
+}
+
+// 2^x for finite x (no clamp: masked scores are -1e30, not -inf), degree 3 (relative error
+// 7.5e-5, under bf16's rounding of P, 2e-3): the softmax's probabilities.
+inline vf vexp2_p(vf x) {
+#if defined(PP_EXP_DEG5)
+  return vexp2(x);
+#else
+  static constexpr float c[4] = {5.5171669e-2f, 0.24261115f, 0.69326097f, 0.99992806f};
+  return exp2_poly(x, c);
+#endif
+}
 
 #if defined(PAGELLM_HAS_AMX)
 // K and V rows of keys [lo, hi), from wherever their blocks lie, into L2: the key tile after the
@@ -412,11 +452,12 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
     const bool causal = k0 + n - 1 > first_pos;  // the tile reaches past the first row
     if (amx || causal) {  // AMX scores get their scale here; the causal mask
       const vf scale = splat(amx ? a.scale : 1.f);
+      const vf masked = splat(amx ? -1e30f : -INFINITY);  // vexp2_p takes finite inputs
       for (int j = 0; j < n; ++j) {
         const vf key = splat(static_cast<float>(causal ? k0 + j : -1));
         for (int v = 0; v < MV; ++v) {
           float* p = s.st.data() + j * ROWS + v * VW;
-          storev(p, key > posv[v] ? splat(-INFINITY) : loadv(p) * scale);
+          storev(p, key > posv[v] ? masked : loadv(p) * scale);
         }
       }
     }
@@ -427,11 +468,20 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
       const vf new_max = vmax(mx[v], tile_max);
       alpha[v] = vexp(mx[v] - new_max);
       vf tile_sum = splat(0.f);
-      for (int j = 0; j < n; ++j) {
-        float* p = s.st.data() + j * ROWS + v * VW;
-        const vf e = vexp(loadv(p) - new_max);
-        storev(p, e);
-        tile_sum += e;
+      if (amx) {  // P is rounded to bf16 for its product with V: the degree-3 2^x will do
+        for (int j = 0; j < n; ++j) {
+          float* p = s.st.data() + j * ROWS + v * VW;
+          const vf e = vexp2_p((loadv(p) - new_max) * 1.44269504088896341f);
+          storev(p, e);
+          tile_sum += e;
+        }
+      } else {
+        for (int j = 0; j < n; ++j) {
+          float* p = s.st.data() + j * ROWS + v * VW;
+          const vf e = vexp(loadv(p) - new_max);
+          storev(p, e);
+          tile_sum += e;
+        }
       }
       sum[v] = sum[v] * alpha[v] + tile_sum;
       mx[v] = new_max;
@@ -707,45 +757,6 @@ inline void pair_bf16(vf a, vf b, uint16_t* dst) {
   }
 #endif
   for (int l = 0; l < VW; ++l) store(dst + 2 * l, a[l]), store(dst + 2 * l + 1, b[l]);
-}
-
-// 2^x as 2^round(x) times a polynomial of the rest f (|f| <= 1/2), coefficients from the
-// highest power; N: the polynomial's terms. Without AVX-512 (or 8 lanes) e^(x ln 2).
-template <int N>
-inline vf exp2_poly(vf x, const float (&c)[N]) {
-#if defined(__AVX512F__)
-  if constexpr (VW == 16) {
-    __m512 t;
-    std::memcpy(&t, &x, 64);
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(c[0]);
-    for (int i = 1; i < N; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
-    p = _mm512_scalef_ps(p, n);
-    vf r;
-    std::memcpy(&r, &p, 64);
-    return r;
-  }
-#endif
-  return vexp(x * 0.6931471805599453f);
-}
-
-// 2^x for x <= 0 (-inf gives 0), degree 5 (relative error ~3e-6): the rescale factors.
-inline vf vexp2(vf x) {
-  static constexpr float c[6] = {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f,
-                                 0.24022651f,   0.69314718f,   1.f};
-  return exp2_poly(x > splat(-126.f) ? x : splat(-126.f), c);  // NaN and -inf: -126
-}
-
-// 2^x for finite x (no clamp: masked scores are -1e30, not -inf), degree 3 (relative error
-// 7.5e-5, under bf16's rounding of P, 2e-3): the softmax's probabilities.
-inline vf vexp2_p(vf x) {
-#if defined(PP_EXP_DEG5)
-  return vexp2(x);
-#else
-  static constexpr float c[4] = {5.5171669e-2f, 0.24261115f, 0.69326097f, 0.99992806f};
-  return exp2_poly(x, c);
-#endif
 }
 
 constexpr float LAZY = 8.f;
