@@ -212,8 +212,8 @@ void accumulate_tile(const float* st, const float* const* vrow, int n, int d, co
 // Q^T (32 dims in pairs x 16 rows: a B tile), summed over the head dim's 32-wide slices, two C
 // tiles for the item's 32 rows. q goes in unscaled (bf16 as it is); the scale comes after. With
 // the products with V on tiles too (vector_amx_pv), 30 layers of SmolLM2's heads on a 2-core
-// Xeon, 5-11 tokens over 2000-7900 cached keys: 1.5-1.8x the vector path's speed (with the
-// degree-3 2^x for P, which is rounded to bf16 anyway: another 1.05-1.09x).
+// Xeon, 5-11 tokens over 2000-7900 cached keys: 1.5-1.8x the vector path's speed, the degree-3
+// 2^x for P (rounded to bf16 anyway) included, which gave 1.05-1.09x of it.
 // Tiles: 0 K, 1-2 Q^T halves, 3-4 S^T halves (the standard configuration of amx_common.h).
 //
 // Q^T in B-tile form [d / 32][row half][16 dim pairs][16 rows] of 32-bit bf16 pairs.
