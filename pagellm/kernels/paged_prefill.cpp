@@ -95,7 +95,7 @@ struct Args {
   float scale;
   float v_scale;
   const uint8_t* amx_chunks = nullptr;  // chunks the AMX path takes (the vector path skips them)
-  bool vector_amx_scores = false;       // the vector path's S^T on AMX tiles (vector_amx_q)
+  bool vector_amx = false;              // the vector path's two products on AMX tiles (bf16)
 };
 
 struct Item {
@@ -216,26 +216,30 @@ void accumulate_tile(const float* st, const float* const* vrow, int n, int d, co
 // 2^x for P (rounded to bf16 anyway) included, which gave 1.05-1.09x of it.
 // Tiles: 0 K, 1-2 Q^T halves, 3-4 S^T halves (the standard configuration of amx_common.h).
 //
-// Q^T in B-tile form [d / 32][row half][16 dim pairs][16 rows] of 32-bit bf16 pairs.
-void vector_amx_q(const Args& a, const Item& it, uint32_t* qb) {
+// Q^T of query rows [row0, row0 + rows) (at most 32) of an item, unscaled, in B-tile form
+// [d / 32][row half][16 dim pairs][16 rows][2] (bf16), zeros for the missing rows: the B tiles
+// of S^T = K Q^T, for the vector path's items and the AMX path's sub-blocks alike.
+void pack_qt(const Args& a, const Item& it, int row0, int rows, uint16_t* qt) {
   const int d = a.head_dim, group = a.num_heads / a.num_kv_heads;
-  std::memset(qb, 0, static_cast<size_t>(d / 32) * 512 * sizeof(uint32_t));
+  std::fill(qt, qt + 32 * d, 0);
   const uint16_t* q = static_cast<const uint16_t*>(a.q);
   const int tok0 = a.query_starts[it.chunk];
-  for (int r = 0; r < it.rows; ++r) {
-    const int row = it.row0 + r;
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(
-        q + (static_cast<int64_t>(tok0 + row / group) * a.num_heads + it.kv_head * group +
-             row % group) * d);
-    for (int x = 0; x < d / 32; ++x)
-      for (int i = 0; i < 16; ++i) qb[((x * 2 + r / 16) * 16 + i) * 16 + r % 16] = words[x * 16 + i];
+  for (int r = 0; r < rows; ++r) {
+    const int row = row0 + r;
+    const uint16_t* src = q + (static_cast<int64_t>(tok0 + row / group) * a.num_heads +
+                               it.kv_head * group + row % group) * d;
+    const int rh = r / 16, rr = r % 16;
+    for (int x = 0; x < d; ++x) {
+      const int dh = x / 32, dp = (x % 32) / 2;
+      qt[(dh * 2 + rh) * 512 + dp * 32 + rr * 2 + x % 2] = src[x];
+    }
   }
 }
 
 // S^T[j][row] for keys [k0, k0 + n) (k0 a multiple of 16, the block size a multiple of 16); rows
 // of st past n get what the last block's spare rows give, and are not read.
 void vector_amx_scores(const Args& a, const uint16_t* kc, const int32_t* table, int64_t head_base,
-                       int k0, int n, const uint32_t* qb, float* st) {
+                       int k0, int n, const uint16_t* qt, float* st) {
   const int d = a.head_dim;
   for (int j = 0; j < n; j += 16) {
     const int key = k0 + j;
@@ -245,8 +249,8 @@ void vector_amx_scores(const Args& a, const uint16_t* kc, const int32_t* table, 
     _tile_zero(4);
     for (int x = 0; x < d / 32; ++x) {
       _tile_loadd(0, rows + x * 32, d * 2);
-      _tile_loadd(1, qb + (x * 2) * 256, 64);
-      _tile_loadd(2, qb + (x * 2 + 1) * 256, 64);
+      _tile_loadd(1, qt + (x * 2) * 512, 64);
+      _tile_loadd(2, qt + (x * 2 + 1) * 512, 64);
       _tile_dpbf16ps(3, 0, 1);
       _tile_dpbf16ps(4, 0, 2);
     }
@@ -390,16 +394,15 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
   const int64_t head_base = static_cast<int64_t>(it.kv_head) * a.num_blocks * a.block_size;
   const T* q = static_cast<const T*>(a.q);
 
-  bool amx = false;
+  constexpr bool bf16 = std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t>;
+  const bool amx = bf16 && a.vector_amx;  // then O is [ROWS][d] here, not O^T [d][ROWS]
 #if defined(PAGELLM_HAS_AMX)
-  alignas(64) uint32_t qb[4 * 512];  // head_dim <= 128
-  if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t>) {
-    amx = a.vector_amx_scores;
-    if (amx) vector_amx_q(a, it, qb);
-  }
+  alignas(64) uint16_t qt[4 * 1024];  // Q^T B tiles, head_dim <= 128
+  if (amx) pack_qt(a, it, it.row0, it.rows, qt);
 #endif
-  // Q^T [d][ROWS] (scaled), each row's position; padding rows see every key with q = 0.
-  std::fill(s.qt.begin(), s.qt.end(), 0.f);
+  // Q^T [d][ROWS] (scaled: the fp32 products' operand), each row's position; padding rows see
+  // every key with q = 0.
+  if (!amx) std::fill(s.qt.begin(), s.qt.end(), 0.f);
   alignas(64) float pos[ROWS];
   for (int r = 0; r < ROWS; ++r) {
     if (r >= it.rows) {
@@ -411,7 +414,8 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
     pos[r] = static_cast<float>(start + tok);
     const T* src = q + (static_cast<int64_t>(tok0 + tok) * a.num_heads + it.kv_head * group +
                         row % group) * d;
-    for (int x = 0; x < d; ++x) s.qt[x * ROWS + r] = to_float(src[x]) * a.scale;
+    if (!amx)
+      for (int x = 0; x < d; ++x) s.qt[x * ROWS + r] = to_float(src[x]) * a.scale;
   }
   std::fill(s.ot.begin(), s.ot.end(), 0.f);
   vf mx[MV], sum[MV], posv[MV];
@@ -439,10 +443,8 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
     if (amx) prefetch_keys(a, kc, vc, table, head_base, k0 + key_step, std::min(kv_end, k0 + 2 * key_step));
 #endif
 #if defined(PAGELLM_HAS_AMX)
-    if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t>) {
-      if (amx) {
-        vector_amx_scores(a, kc, table, head_base, k0, n, qb, s.st.data());
-      }
+    if constexpr (bf16) {
+      if (amx) vector_amx_scores(a, kc, table, head_base, k0, n, qt, s.st.data());
     }
 #endif
     if (!amx) {
@@ -487,7 +489,7 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
       mx[v] = new_max;
     }
 #if defined(PAGELLM_HAS_AMX)
-    if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t>) {
+    if constexpr (bf16) {
       if (amx) {
         alignas(64) float alpha_rows[ROWS];
         for (int v = 0; v < MV; ++v) storev(alpha_rows + v * VW, alpha[v]);
@@ -499,14 +501,13 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
     key_rows(a, vc, table, head_base, k0, n, s.vbuf.data(), s.vrow.data());
     accumulate_tile(s.st.data(), s.vrow.data(), n, d, alpha, s.ot.data());
   }
-  if (amx) {  // O [ROWS][d] back to the O^T [d][ROWS] the rest of this function reads
-    std::vector<float>& ot = s.kbuf;  // free here, and at least d * ROWS long
-    for (int r = 0; r < ROWS; ++r)
-      for (int x = 0; x < d; ++x) ot[static_cast<size_t>(x) * ROWS + r] = s.ot[static_cast<size_t>(r) * d + x];
-    std::copy(ot.begin(), ot.begin() + static_cast<ptrdiff_t>(d) * ROWS, s.ot.begin());
-  }
+  auto o_at = [&](int x, int r) {  // O^T[x][r] in either layout
+    return amx ? s.ot[static_cast<size_t>(r) * d + x] : s.ot[static_cast<size_t>(x) * ROWS + r];
+  };
   if (it.part >= 0) {
-    std::copy(s.ot.begin(), s.ot.end(), partials.ot(it.part));
+    float* ot = partials.ot(it.part);  // O^T [d][ROWS]
+    for (int x = 0; x < d; ++x)
+      for (int r = 0; r < ROWS; ++r) ot[x * ROWS + r] = o_at(x, r);
     for (int v = 0; v < MV; ++v) {
       storev(partials.mx(it.part) + v * VW, mx[v]);
       storev(partials.sum(it.part) + v * VW, sum[v]);
@@ -522,7 +523,7 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
     const int tok = row / group;
     T* dst = out + (static_cast<int64_t>(tok0 + tok) * a.num_heads + it.kv_head * group +
                     row % group) * d;
-    for (int x = 0; x < d; ++x) store(dst + x, s.ot[x * ROWS + r] * inv[r]);
+    for (int x = 0; x < d; ++x) store(dst + x, o_at(x, r) * inv[r]);
   }
 }
 
@@ -623,7 +624,7 @@ void run(const Args& a, int num_chunks, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
   {
 #if defined(PAGELLM_HAS_AMX)
-    if (a.vector_amx_scores) amx_load_config();
+    if (a.vector_amx) amx_load_config();
 #endif
     Scratch scratch(a.head_dim);
 #pragma omp for schedule(dynamic, 1)
@@ -633,7 +634,7 @@ void run(const Args& a, int num_chunks, int num_threads) {
       merge_split<T>(a, plan.whole[i], plan.splits[i].first, plan.splits[i].second, partials);
     }
 #if defined(PAGELLM_HAS_AMX)
-    if (a.vector_amx_scores) _tile_release();
+    if (a.vector_amx) _tile_release();
 #endif
   }
 }
@@ -827,11 +828,9 @@ bool softmax_tile(const Args& a, AmxScratch& sc, const float* pos, float* mx, fl
 // Rows [row0, row0 + rows) of an item as sub-block b (rows <= 32): Q^T packed, state reset.
 void amx_sub_init(const Args& a, const Item& it, int b, AmxScratch& sc) {
   const int d = a.head_dim, group = a.num_heads / a.num_kv_heads;
-  const int start = a.start_pos[it.chunk], tok0 = a.query_starts[it.chunk];
+  const int start = a.start_pos[it.chunk];
   const int row0 = it.row0 + b * AT, rows = std::min(AT, it.rows - b * AT);
-  const uint16_t* q = static_cast<const uint16_t*>(a.q);
-  uint16_t* qt = sc.qt.data() + static_cast<size_t>(b) * AT * d;
-  std::fill(qt, qt + AT * d, 0);
+  pack_qt(a, it, row0, rows, sc.qt.data() + static_cast<size_t>(b) * AT * d);
   std::fill(sc.ot.begin() + static_cast<size_t>(b) * AT * d,
             sc.ot.begin() + static_cast<size_t>(b + 1) * AT * d, 0.f);
   for (int r = 0; r < AT; ++r) {
@@ -840,15 +839,7 @@ void amx_sub_init(const Args& a, const Item& it, int b, AmxScratch& sc) {
       sc.pos(b)[r] = 3.0e9f;  // padding rows see every key (their q is 0) and are dropped
       continue;
     }
-    const int row = row0 + r, tok = row / group;
-    sc.pos(b)[r] = static_cast<float>(start + tok);
-    const uint16_t* src = q + (static_cast<int64_t>(tok0 + tok) * a.num_heads +
-                               it.kv_head * group + row % group) * d;
-    const int rh = r / 16, rr = r % 16;
-    for (int x = 0; x < d; ++x) {  // Q^T B tiles: [dh][rh][dim pair][row][2]
-      const int dh = x / 32, dp = (x % 32) / 2;
-      qt[(dh * 2 + rh) * TILE_ELEMS + dp * 32 + rr * 2 + x % 2] = src[x];
-    }
+    sc.pos(b)[r] = static_cast<float>(start + (row0 + r) / group);
   }
 }
 
@@ -1016,7 +1007,7 @@ extern "C" int paged_prefill_attention(
          num_heads, num_kv_heads, head_dim, num_blocks,   block_size,   max_blocks, scale,
          v_scale};
 #if defined(PAGELLM_HAS_AMX)
-  a.vector_amx_scores = PP_VECTOR_AMX && allow_amx && dtype_code == 1 && kv_code == 0 &&
+  a.vector_amx = PP_VECTOR_AMX && allow_amx && dtype_code == 1 && kv_code == 0 &&
                         ROWS == 32 && head_dim % 32 == 0 && head_dim <= 128 &&
                         block_size % 16 == 0 && BK % 16 == 0 && amx_permitted();
   std::vector<uint8_t> mask;
