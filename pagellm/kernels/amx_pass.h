@@ -73,16 +73,23 @@ struct PassTiles {
   int64_t b_block;
 };
 
+struct NoFetch {
+  void operator()(int) const {}
+};
+
 // One pass over `steps` steps (INT8: TDPBSSD, else TDPBF16PS); the previous pass's out-box is
-// emptied through `store` while this pass's products run, then refilled.
-template <bool INT8, typename T, typename Store>
+// emptied through `store` while this pass's products run, then refilled. fetch(s) runs before
+// step s's tiles load (prefetches of what a later pass reads).
+
+template <bool INT8, typename T, typename Store, typename Fetch = NoFetch>
 void amx_pass(const PassTiles& p, int steps, bool two_t, int block, int tb, Outbox<T>& box,
-              Store&& store) {
+              Store&& store, Fetch&& fetch = Fetch{}) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int s = 0; s < steps; ++s) {
+    fetch(s);
     const char* b0 = p.b + static_cast<int64_t>(s) * 1024;
     _tile_loadd(4, p.a0 + s * p.a_step, p.a_stride);
     _tile_loadd(6, b0, 64);

@@ -5,7 +5,9 @@ float32 decode steps on the few-rows kernel.
 (the path torch's own inductor takes when freezing a model) saves that work each step: ~6% on
 this model's GEMMs. In float32 a step of at most 32 tokens goes to ``SkinnyLinearKernel``,
 which streams each weight on every core (torch's GEMM reads it on one: 1.6-5x slower here);
-larger steps keep ``F.linear``. On a CPU without bf16 products (AVX2) oneDNN emulates bf16
+larger steps keep ``F.linear``. On a CPU with AMX a bf16 step of at most 32 tokens goes to
+``Bf16TilesKernel``, which reads the weight as stored straight into tiles (oneDNN's packed
+GEMM reaches 11-20 GB/s of weight on so few rows; the tiles 21-26). On a CPU without bf16 products (AVX2) oneDNN emulates bf16
 GEMMs, 3-5x slower than fp32 ones: there bf16 weights are not packed, at most 32 tokens go to
 the same few-rows kernel (bf16 read, fp32 arithmetic) and more to torch's fp32 GEMM over
 cache-sized panels of the weight widened to fp32. In batch-invariant mode every step goes to
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.kernels.bf16_tiles import Bf16TilesKernel
 from pagellm.kernels.quant_linear import PANEL_BYTES, by_panels
 from pagellm.kernels.skinny_linear import SkinnyLinearKernel
 
@@ -27,6 +30,8 @@ from pagellm.kernels.skinny_linear import SkinnyLinearKernel
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     skinny: SkinnyLinearKernel | None = None
+    tiles: Bf16TilesKernel | None = None
+    """Few-rows bf16 steps on AMX (``use_tile_linears``)."""
     fp32_panels: bool = False
     """bf16 on a CPU without bf16 products: steps the few-rows kernel does not take run as fp32
     GEMMs over panels of the weight widened to fp32."""
@@ -40,7 +45,7 @@ class Linear(nn.Linear):
         packed = kernel.pack(self.weight, self.bias)
         self.invariant = (kernel, packed)
         self.register_buffer("invariant_weight", packed.data, persistent=False)
-        self.packed = self.skinny = None
+        self.packed = self.skinny = self.tiles = None
         if release_weight:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
@@ -64,6 +69,8 @@ class Linear(nn.Linear):
             return kernel(x, packed)
         if self.skinny is not None and self.skinny.applies(x, self.weight):
             return self.skinny(x, self.weight, self.bias)
+        if self.tiles is not None and self.tiles.applies(x, self.weight):
+            return self.tiles(x, self.weight, self.bias)
         if self.fp32_panels:
             return self._fp32_panels(x)
         if self.packed is None:
@@ -105,4 +112,17 @@ def use_skinny_linears(
             continue
         m.skinny = kernel
         count += 1
+    return count
+
+
+def use_tile_linears(model: nn.Module, kernel: Bf16TilesKernel | None) -> int:
+    """Give every bf16 CPU ``Linear`` of ``model`` the AMX few-rows kernel (None: this CPU has
+    no AMX or no compiler); returns how many."""
+    if kernel is None:
+        return 0
+    count = 0
+    for m in model.modules():
+        if isinstance(m, Linear) and m.weight.is_cpu and m.weight.dtype == torch.bfloat16:
+            m.tiles = kernel
+            count += 1
     return count

@@ -27,8 +27,8 @@ use (about a millisecond). Under eager-only settings (``--enforce-eager``), with
 pipeline parallelism, an FP8 KV cache, q/k norms or a GPU, steps stay eager.
 
 A linear layer that is not one bare kernel call (several quantized parts, a bias after a
-quantized projection, more rows than a kernel's few-rows path, a bf16 dense weight) runs as
-its module into the static buffer: still correct, only less fused.
+quantized projection, more rows than a kernel's few-rows path, a bf16 dense weight on a CPU
+without AMX) runs as its module into the static buffer: still correct, only less fused.
 """
 
 from __future__ import annotations
@@ -376,9 +376,10 @@ class CapturedDecoder:
                     return kernel.bind(x, part.stored(), out)
             elif isinstance(part, Linear):
                 layer = part
-        skinny = layer.skinny if isinstance(layer, Linear) else None
-        if skinny is not None and skinny.applies(x, layer.weight):
-            return skinny.bind(x, layer.weight, layer.bias, out)
+        if isinstance(layer, Linear):
+            for kernel in (layer.skinny, layer.tiles):
+                if kernel is not None and kernel.applies(x, layer.weight):
+                    return kernel.bind(x, layer.weight, layer.bias, out)
 
         def run_module() -> int:
             out.copy_(layer(x))

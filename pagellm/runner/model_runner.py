@@ -27,6 +27,7 @@ from pagellm.attention.kv_cache import kv_cache_format
 from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.config import GIB, CacheConfig, StepLimits
 from pagellm.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from pagellm.kernels.bf16_tiles import load_bf16_tiles_kernel
 from pagellm.kernels.cpu_build import cpu_has_native_bf16
 from pagellm.kernels.decode_ops import load_decode_ops
 from pagellm.kernels.paged_attention import (
@@ -36,7 +37,7 @@ from pagellm.kernels.paged_attention import (
 )
 from pagellm.kernels.quant_linear import load_quant_linear_kernel
 from pagellm.kernels.skinny_linear import load_skinny_linear_kernel
-from pagellm.layers.linear import use_skinny_linears
+from pagellm.layers.linear import use_skinny_linears, use_tile_linears
 from pagellm.layers.quant_linear import quant_tensors, use_quant_kernel
 from pagellm.models.arch import ModelArch
 from pagellm.parallel.comm import Collectives
@@ -157,6 +158,7 @@ def _load(
         make_batch_invariant(model, device)
     elif device.type == "cpu":
         use_skinny_linears(model, load_skinny_linear_kernel(), cpu_has_native_bf16())
+        use_tile_linears(model, load_bf16_tiles_kernel())
         use_quant_kernel(model, load_quant_linear_kernel())
     return model
 
