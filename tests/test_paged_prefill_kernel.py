@@ -36,9 +36,11 @@ def _reference(q, k_cache, v_cache, tables, query_starts, start_pos, scale):
     return out
 
 
-def _run_case(kernel, dtype, hkv, group, d, block_size, chunks, seed, kv="auto"):
+def _run_case(kernel, dtype, hkv, group, d, block_size, chunks, seed, kv="auto", ramp=0.0):
     """chunks: (tokens cached before, chunk tokens) per sequence; ``kv``: the cache's format
-    (FP8 caches hold K / 0.5 and V / 4)."""
+    (FP8 caches hold K / 0.5 and V / 4); ``ramp``: every element of the key at position p gets
+    ``ramp * p`` added (a row's scores then climb or fall along the keys by about ``ramp * p``
+    times its q's sum, so its running max keeps moving)."""
     gen = torch.Generator().manual_seed(seed)
     needed = [-(-(s + n) // block_size) for s, n in chunks]
     num_blocks = sum(needed) + 3
@@ -55,6 +57,12 @@ def _run_case(kernel, dtype, hkv, group, d, block_size, chunks, seed, kv="auto")
     for m in needed:
         tables.append(order[taken : taken + m])
         taken += m
+    if ramp:
+        assert fmt.fp8 is None
+        for (start, n), table in zip(chunks, tables, strict=True):
+            for p in range(start + n):
+                k_cache[:, table[p // block_size], p % block_size] += ramp * p
+        k_ref = k_cache
     table_t = torch.zeros(len(chunks), max(needed) + 2, dtype=torch.int32)  # ragged, padded
     for i, t in enumerate(tables):
         table_t[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
@@ -79,6 +87,8 @@ def _run_case(kernel, dtype, hkv, group, d, block_size, chunks, seed, kv="auto")
     )
     expected = _reference(q, k_ref, v_ref, tables, starts, start_pos, scale)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
+    if ramp and dtype == torch.float32:  # scores of ~100: fp32's rounding of them is ~1e-5
+        tol = 2e-4
     tol *= v_scale if fp8 else 1.0
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
 
@@ -155,6 +165,15 @@ def test_fp32_matches_sdpa_exactly_where_the_reference_is_fp32(kernel):
 def test_short_chunks_over_long_prefixes_split_their_keys(kernel, chunks, dtype):
     """Few work items: each is split over its prefix into parts and the parts merged."""
     _run_case(kernel, dtype, 2, 3, 64, 16, chunks, seed=len(chunks) * 17 + chunks[0][0])
+
+
+@pytest.mark.parametrize("chunks", [[(1500, 10)], [(700, 3), (0, 20)], [(64, 2048)]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_scores_that_keep_climbing_along_the_keys(kernel, chunks, dtype):
+    """Rows whose scores rise by a hundred and more along the keys: the running max moves on many key tiles
+    and O must be rescaled each time it does (the AMX products' path moves it lazily, only
+    past a margin; never moving it overflows P, never rescaling O weighs early keys wrongly)."""
+    _run_case(kernel, dtype, 2, 3, 64, 16, chunks, seed=chunks[0][0] + 1, ramp=0.08)
 
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])

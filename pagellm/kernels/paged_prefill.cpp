@@ -56,6 +56,14 @@ constexpr int NP = PP_NPV;     // head dims per PV micro-step (NP * MV accumulat
 
 inline vf splat(float x) { return vf{} + x; }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline bool any_above(vf a, vf b) {
+  for (int i = 0; i < VW; ++i)
+    if (a[i] > b[i]) return true;
+  return false;
+}
+// How far past a row's running max its scores may go before the max (and O) move, on the AMX
+// products' path: 8 ln 2, so that P <= 256.
+constexpr float LAZY_MAX = 5.545177444479562f;
 
 // e^x for x <= 0 (after subtracting a row max; -inf gives 0): 2^(x log2 e) = 2^n * 2^f with
 // 2^f from a degree-7 Taylor series on |f| <= ln2 / 2 (relative error ~5e-9).
@@ -121,7 +129,7 @@ struct Scratch {
   std::vector<const float*> krow, vrow;
   explicit Scratch(int d)
       : qt(static_cast<size_t>(d) * ROWS), ot(static_cast<size_t>(d) * ROWS),
-        st(static_cast<size_t>(BK) * ROWS), kbuf(static_cast<size_t>(BK) * d),
+        st(static_cast<size_t>(std::max(BK, 64)) * ROWS), kbuf(static_cast<size_t>(BK) * d),
         vbuf(static_cast<size_t>(BK) * d), krow(BK), vrow(BK) {}
 };
 
@@ -213,7 +221,10 @@ void accumulate_tile(const float* st, const float* const* vrow, int n, int d, co
 // tiles for the item's 32 rows. q goes in unscaled (bf16 as it is); the scale comes after. With
 // the products with V on tiles too (vector_amx_pv), 30 layers of SmolLM2's heads on a 2-core
 // Xeon, 5-11 tokens over 2000-7900 cached keys: 1.5-1.8x the vector path's speed, the degree-3
-// 2^x for P (rounded to bf16 anyway) included, which gave 1.05-1.09x of it.
+// 2^x for P (rounded to bf16 anyway) included, which gave 1.05-1.09x of it. Then 64 keys a
+// softmax step (O one trip through the C tiles for two P V products), V packed before the
+// softmax and O rescaled only when a row's max moves past LAZY_MAX: 1.06-1.20x on 10 tokens
+// over 7000 keys, and a mixed step of 8 decodes and such a chunk 48 -> 35 ms (30 layers).
 // Tiles: 0 K, 1-2 Q^T halves, 3-4 S^T halves (the standard configuration of amx_common.h).
 //
 // Q^T of query rows [row0, row0 + rows) (at most 32) of an item, unscaled, in B-tile form
@@ -301,8 +312,8 @@ inline vf vexp2_p(vf x) {
 
 #if defined(PAGELLM_HAS_AMX)
 // K and V rows of keys [lo, hi), from wherever their blocks lie, into L2: the key tile after the
-// one being computed (1.1x on 30 layers of 10 tokens over 6000 cached keys; two tiles ahead, or
-// into L1, no better).
+// one being computed (1.1x on 30 layers of 10 tokens over 6000 cached keys with 32-key steps;
+// two tiles ahead, or into L1, no better; with 64-key steps none, one or two ahead alike).
 template <typename C>
 void prefetch_keys(const Args& a, const C* kc, const C* vc, const int32_t* table,
                    int64_t head_base, int lo, int hi) {
@@ -318,43 +329,30 @@ void prefetch_keys(const Args& a, const C* kc, const C* vc, const int32_t* table
   }
 }
 
-constexpr int VA_KEYS = 32;  // keys per softmax tile when the vector path's products use AMX
+#ifndef PP_VA_KEYS
+#define PP_VA_KEYS 64
+#endif
+constexpr int VA_KEYS = PP_VA_KEYS;  // keys per softmax step when the vector path uses AMX (32 or 64)
+constexpr int VA_CHUNKS = VA_KEYS / 32;
 
-// O[row][:] = O[row][:] * alpha[row] + P[row][keys] . V[keys][:] for the (up to) 32 keys from k0
-// (a multiple of 16), O being [ROWS][head_dim] fp32 here (not O^T). P, from S^T's exponentials,
-// is rounded to bf16 and transposed into two A tiles (16 rows x 32 keys); V is read from its
-// cache blocks and interleaved by pairs of keys into B tiles (16 key pairs x 16 dims); keys past
-// n weigh 0 and their V rows are zeros. Tiles: 1-2 P halves, 0 V, 3-4 O halves.
-void vector_amx_pv(const Args& a, const uint16_t* vc, const int32_t* table, int64_t head_base,
-                   int k0, int n, float* st, const float* alpha, float* o) {
+// V rows of keys [k0, k0 + n) (k0 a multiple of 16, n <= VA_KEYS) from their cache blocks,
+// interleaved by pairs of keys into B tiles: vb[chunk of 32 keys][d / 16][16 key pairs][16 dims
+// x 2 keys]; keys past n are zeros. Packed before the softmax, so that its stores have landed
+// when the tiles load them.
+void pack_v_pairs(const Args& a, const uint16_t* vc, const int32_t* table, int64_t head_base,
+                  int k0, int n, uint16_t* vb) {
   const int d = a.head_dim;
-  alignas(64) uint16_t pa[2 * 16 * 32];
-  for (int j = n; j < VA_KEYS; ++j)
-    std::fill(st + static_cast<size_t>(j) * ROWS, st + static_cast<size_t>(j + 1) * ROWS, 0.f);
-  for (int h = 0; h < 2; ++h) {
-    __m512i lo[16], hi[16];
-    for (int j = 0; j < 16; ++j) {
-      lo[j] = _mm512_loadu_si512(st + static_cast<size_t>(j) * ROWS + h * 16);
-      hi[j] = _mm512_loadu_si512(st + static_cast<size_t>(j + 16) * ROWS + h * 16);
-    }
-    transpose16(lo);
-    transpose16(hi);
-    for (int r = 0; r < 16; ++r)
-      _mm512_store_si512(pa + (h * 16 + r) * 32,
-                         reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
-                             _mm512_castsi512_ps(hi[r]), _mm512_castsi512_ps(lo[r]))));
-  }
-  alignas(64) uint16_t vb[8 * 16 * 32];  // [d / 16][16 key pairs][16 dims x 2 keys]
   alignas(64) static constexpr uint16_t kPairs[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37,
                                                        6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43,
                                                        12, 44, 13, 45, 14, 46, 15, 47};
   const __m512i pairs = _mm512_load_si512(kPairs);  // a's and b's 16-bit lanes in turn
-  for (int i = 0; i < 16; ++i) {
-    const int j = 2 * i;
-    const int key = k0 + j;
+  const int chunks = (n + 31) / 32;
+  for (int i = 0; i < chunks * 16; ++i) {
+    const int j = 2 * i, key = k0 + j;
     const uint16_t* va = j < n ? vc + (head_base + static_cast<int64_t>(table[key / a.block_size]) *
                                                        a.block_size + key % a.block_size) * d
                                : nullptr;
+    uint16_t* dst = vb + (static_cast<size_t>(i / 16) * (d / 16) * 16 + i % 16) * 32;
     for (int x = 0; x < d / 16; ++x) {
       const __m512i ra = va ? _mm512_castsi256_si512(_mm256_loadu_si256(
                                   reinterpret_cast<const __m256i*>(va + x * 16)))
@@ -362,22 +360,63 @@ void vector_amx_pv(const Args& a, const uint16_t* vc, const int32_t* table, int6
       const __m512i rb = j + 1 < n ? _mm512_castsi256_si512(_mm256_loadu_si256(
                                          reinterpret_cast<const __m256i*>(va + d + x * 16)))
                                    : _mm512_setzero_si512();
-      _mm512_store_si512(vb + (x * 16 + i) * 32, _mm512_permutex2var_epi16(ra, pairs, rb));
+      _mm512_store_si512(dst + x * 16 * 32, _mm512_permutex2var_epi16(ra, pairs, rb));
     }
   }
-  for (int r = 0; r < ROWS; ++r) {
-    const __m512 f = _mm512_set1_ps(alpha[r]);
-    for (int x = 0; x < d; x += 16)
-      _mm512_storeu_ps(o + r * d + x, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + x), f));
+}
+
+// O[row][:] = O[row][:] * alpha[row] + P[row][keys] . V[keys][:] for the (up to) VA_KEYS keys
+// whose P^T is st ([key][ROWS], S^T's exponentials) and whose V pairs pack_v_pairs packed into
+// vb; O is [ROWS][head_dim] fp32 here (not O^T); alpha null: no rescale. P is rounded to bf16
+// and transposed into A tiles (16 rows x 32 keys); keys past n weigh 0. O makes one trip
+// through the C tiles per call. Tiles: 1-2 P halves and 0 V of the first 32 keys, 5-6 and 7 of
+// the next, 3-4 O halves.
+void vector_amx_pv(int d, int n, float* st, const uint16_t* vb, const float* alpha, float* o) {
+  const int chunks = (n + 31) / 32;
+  alignas(64) uint16_t pa[VA_CHUNKS][2 * 16 * 32];
+  for (int j = n; j < chunks * 32; ++j)
+    std::fill(st + static_cast<size_t>(j) * ROWS, st + static_cast<size_t>(j + 1) * ROWS, 0.f);
+  for (int c = 0; c < chunks; ++c) {
+    const float* sc = st + static_cast<size_t>(c) * 32 * ROWS;
+    for (int h = 0; h < 2; ++h) {
+      __m512i lo[16], hi[16];
+      for (int j = 0; j < 16; ++j) {
+        lo[j] = _mm512_loadu_si512(sc + static_cast<size_t>(j) * ROWS + h * 16);
+        hi[j] = _mm512_loadu_si512(sc + static_cast<size_t>(j + 16) * ROWS + h * 16);
+      }
+      transpose16(lo);
+      transpose16(hi);
+      for (int r = 0; r < 16; ++r)
+        _mm512_store_si512(pa[c] + (h * 16 + r) * 32,
+                           reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+                               _mm512_castsi512_ps(hi[r]), _mm512_castsi512_ps(lo[r]))));
+    }
   }
-  _tile_loadd(1, pa, 64);
-  _tile_loadd(2, pa + 16 * 32, 64);
+  if (alpha != nullptr) {
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 f = _mm512_set1_ps(alpha[r]);
+      for (int x = 0; x < d; x += 16)
+        _mm512_storeu_ps(o + r * d + x, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + x), f));
+    }
+  }
+  const size_t chunk_elems = static_cast<size_t>(d / 16) * 16 * 32;
+  _tile_loadd(1, pa[0], 64);
+  _tile_loadd(2, pa[0] + 16 * 32, 64);
+  if (chunks > 1) {
+    _tile_loadd(5, pa[1], 64);
+    _tile_loadd(6, pa[1] + 16 * 32, 64);
+  }
   for (int x = 0; x < d / 16; ++x) {
-    _tile_loadd(0, vb + x * 16 * 32, 64);
     _tile_loadd(3, o + x * 16, d * 4);
     _tile_loadd(4, o + 16 * d + x * 16, d * 4);
+    _tile_loadd(0, vb + x * 16 * 32, 64);
     _tile_dpbf16ps(3, 1, 0);
     _tile_dpbf16ps(4, 2, 0);
+    if (chunks > 1) {
+      _tile_loadd(7, vb + chunk_elems + x * 16 * 32, 64);
+      _tile_dpbf16ps(3, 5, 7);
+      _tile_dpbf16ps(4, 6, 7);
+    }
     _tile_stored(3, o + x * 16, d * 4);
     _tile_stored(4, o + 16 * d + x * 16, d * 4);
   }
@@ -434,6 +473,8 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
   // each row's max is finite after the first tile.
 #if defined(PAGELLM_HAS_AMX)
   const int key_step = amx ? VA_KEYS : BK;
+  alignas(64) uint16_t vb[VA_CHUNKS * 8 * 16 * 32];  // V pairs, head_dim <= 128
+  bool o_zero = true;                                 // O untouched yet: nothing to rescale
 #else
   const int key_step = BK;
 #endif
@@ -444,7 +485,10 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
 #endif
 #if defined(PAGELLM_HAS_AMX)
     if constexpr (bf16) {
-      if (amx) vector_amx_scores(a, kc, table, head_base, k0, n, qt, s.st.data());
+      if (amx) {
+        vector_amx_scores(a, kc, table, head_base, k0, n, qt, s.st.data());
+        pack_v_pairs(a, vc, table, head_base, k0, n, vb);
+      }
     }
 #endif
     if (!amx) {
@@ -464,11 +508,17 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
       }
     }
     vf alpha[MV];
+    bool rescale = false;
     for (int v = 0; v < MV; ++v) {
       vf tile_max = splat(-INFINITY);
       for (int j = 0; j < n; ++j) tile_max = vmax(tile_max, loadv(s.st.data() + j * ROWS + v * VW));
-      const vf new_max = vmax(mx[v], tile_max);
-      alpha[v] = vexp(mx[v] - new_max);
+      // AMX: the running max moves only where a row's scores pass it by more than LAZY_MAX, so
+      // that O (a trip through memory for the vector units) is rescaled on few steps; P stays
+      // below e^LAZY_MAX (256) and O, P and the sums agree on the max whatever it is.
+      const bool grow = !amx || any_above(tile_max, mx[v] + splat(LAZY_MAX));
+      const vf new_max = grow ? vmax(mx[v], tile_max) : mx[v];
+      alpha[v] = grow ? vexp(mx[v] - new_max) : splat(1.f);
+      rescale |= grow;
       vf tile_sum = splat(0.f);
       if (amx) {  // P is rounded to bf16 for its product with V: the degree-3 2^x will do
         for (int j = 0; j < n; ++j) {
@@ -493,7 +543,8 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
       if (amx) {
         alignas(64) float alpha_rows[ROWS];
         for (int v = 0; v < MV; ++v) storev(alpha_rows + v * VW, alpha[v]);
-        vector_amx_pv(a, vc, table, head_base, k0, n, s.st.data(), alpha_rows, s.ot.data());
+        vector_amx_pv(d, n, s.st.data(), vb, rescale && !o_zero ? alpha_rows : nullptr, s.ot.data());
+        o_zero = false;
         continue;
       }
     }
