@@ -116,3 +116,18 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict:
             if out.finished:
                 done[out.request_id] = out
     raise AssertionError("engine did not finish")
+
+
+class RowSpy:
+    """Stands in for a few-rows linear kernel (same ``max_rows`` and ``applies``) and records the
+    row count of every call it computes, passing it on to the real kernel."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.max_rows = kernel.max_rows
+        self.applies = kernel.applies
+        self.rows: list[int] = []
+
+    def __call__(self, *args):
+        self.rows.append(args[0].shape[0])
+        return self.kernel(*args)

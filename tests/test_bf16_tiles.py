@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fakes import RowSpy
 
 from pagellm.kernels.bf16_tiles import load_bf16_tiles_kernel
 from pagellm.layers.linear import Linear, use_tile_linears
@@ -51,23 +52,13 @@ def test_linear_takes_the_kernel_for_few_rows_only():
     layer = Linear(576, 200, bias=True).to(torch.bfloat16)
     layer.pack()
     assert use_tile_linears(layer, KERNEL) == 1
-    calls = []
-
-    class Spy:
-        max_rows = KERNEL.max_rows
-        applies = KERNEL.applies
-
-        def __call__(self, *args):
-            calls.append(args[0].shape[0])
-            return KERNEL(*args)
-
-    layer.tiles = Spy()
+    layer.tiles = spy = RowSpy(KERNEL)
     for rows in (1, 8, 32, 33, 64):
         x = torch.randn(rows, 576).bfloat16()
         expected = reference(x, layer.weight.detach(), layer.bias.detach())
         got = layer(x).double()
         assert ((got - expected).abs() <= expected.abs() * 2**-7 + 1e-2).all()
-    assert calls == [1, 8, 32]
+    assert spy.rows == [1, 8, 32]
 
 
 def test_fp32_layers_are_left_alone():

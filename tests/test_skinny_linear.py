@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from fakes import RowSpy
 
 from pagellm.kernels.skinny_linear import load_skinny_linear_kernel
 from pagellm.layers.linear import Linear, use_skinny_linears
@@ -43,22 +44,11 @@ def test_linear_takes_the_kernel_for_decode_steps_only():
     kernel = load_skinny_linear_kernel()
     layer = Linear(64, 48, bias=True)
     assert use_skinny_linears(layer, kernel) == 1
-    calls = []
-    real = kernel.__call__
-
-    class Spy:
-        max_rows = kernel.max_rows
-        applies = kernel.applies
-
-        def __call__(self, *args):
-            calls.append(args[0].shape[0])
-            return real(*args)
-
-    layer.skinny = Spy()
+    layer.skinny = spy = RowSpy(kernel)
     for rows in (1, 8, 32, 33, 64):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
-    assert calls == [1, 8, 32]
+    assert spy.rows == [1, 8, 32]
 
 
 def test_rows_beyond_the_kernel_are_refused_not_miscomputed():

@@ -80,7 +80,6 @@ struct NoFetch {
 // One pass over `steps` steps (INT8: TDPBSSD, else TDPBF16PS); the previous pass's out-box is
 // emptied through `store` while this pass's products run, then refilled. fetch(s) runs before
 // step s's tiles load (prefetches of what a later pass reads).
-
 template <bool INT8, typename T, typename Store, typename Fetch = NoFetch>
 void amx_pass(const PassTiles& p, int steps, bool two_t, int block, int tb, Outbox<T>& box,
               Store&& store, Fetch&& fetch = Fetch{}) {

@@ -40,9 +40,13 @@ class Bf16TilesKernel:
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
+        """For x that ``applies`` (the caller checked)."""
         x = x.contiguous()
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-        self.bind(x, weight, bias, out)()
+        bias32 = _fp32(bias)
+        rc = self._fn(*self._args(x, weight, bias32, out))
+        if rc != 0:
+            raise RuntimeError(f"bf16_tiles_linear failed with code {rc}")
         return out
 
     def bind(
@@ -51,14 +55,24 @@ class Bf16TilesKernel:
         """A call computing ``out = x @ weight.T + bias`` with these very buffers (captured
         decode steps); it returns the kernel's status (0: done, else an error code)."""
         assert self.applies(x, weight) and x.is_contiguous() and out.is_contiguous()
-        bias32 = bias.detach().float().contiguous() if bias is not None else None
-        m, k = x.shape
-        args = (x.data_ptr(), weight.data_ptr(),
-                bias32.data_ptr() if bias32 is not None else None, out.data_ptr(), m,
-                weight.shape[0], k, torch.get_num_threads())  # fmt: skip
-        call = functools.partial(self._fn, *args)
+        bias32 = _fp32(bias)
+        call = functools.partial(self._fn, *self._args(x, weight, bias32, out))
         call.keepalive = bias32  # type: ignore[attr-defined]  # the fp32 bias lives with the call
         return call
+
+    @staticmethod
+    def _args(
+        x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | None, out: torch.Tensor
+    ) -> tuple:
+        m, k = x.shape
+        bias_ptr = bias32.data_ptr() if bias32 is not None else None
+        return (x.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(), m, weight.shape[0],
+                k, torch.get_num_threads())  # fmt: skip
+
+
+def _fp32(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias as the kernel adds it (fp32, before the one rounding to bf16)."""
+    return bias.detach().float().contiguous() if bias is not None else None
 
 
 def load_bf16_tiles_kernel() -> Bf16TilesKernel | None:

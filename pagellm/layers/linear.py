@@ -7,7 +7,7 @@ this model's GEMMs. In float32 a step of at most 32 tokens goes to ``SkinnyLinea
 which streams each weight on every core (torch's GEMM reads it on one: 1.6-5x slower here);
 larger steps keep ``F.linear``. On a CPU with AMX a bf16 step of at most 32 tokens goes to
 ``Bf16TilesKernel``, which reads the weight as stored straight into tiles (oneDNN's packed
-GEMM reaches 11-20 GB/s of weight on so few rows; the tiles 21-26). On a CPU without bf16 products (AVX2) oneDNN emulates bf16
+GEMM reaches 11-20 GB/s of weight on so few rows; the tiles 19-26). On a CPU without bf16 products (AVX2) oneDNN emulates bf16
 GEMMs, 3-5x slower than fp32 ones: there bf16 weights are not packed, at most 32 tokens go to
 the same few-rows kernel (bf16 read, fp32 arithmetic) and more to torch's fp32 GEMM over
 cache-sized panels of the weight widened to fp32. In batch-invariant mode every step goes to
