@@ -225,6 +225,10 @@ void accumulate_tile(const float* st, const float* const* vrow, int n, int d, co
 // softmax step (O one trip through the C tiles for two P V products), V packed before the
 // softmax and O rescaled only when a row's max moves past LAZY_MAX: 1.06-1.20x on 10 tokens
 // over 7000 keys, and a mixed step of 8 decodes and such a chunk 48 -> 35 ms (30 layers).
+// Then the scale folded into the exponent and each step's max found in the pass that
+// exponentiates (amx_softmax_step: two passes over S^T fewer): 1.03-1.09x on 24-30 tokens over
+// 1000-2000 keys, where the arithmetic is the bound; none on 10 tokens over 7000, which waits
+// on memory (~10 GB/s of K and V then, what a plain sum of a large tensor read that hour).
 // Tiles: 0 K, 1-2 Q^T halves, 3-4 S^T halves (the standard configuration of amx_common.h).
 //
 // Q^T of query rows [row0, row0 + rows) (at most 32) of an item, unscaled, in B-tile form
@@ -309,6 +313,65 @@ inline vf vexp2_p(vf x) {
   return exp2_poly(x, c);
 #endif
 }
+
+#if defined(PAGELLM_HAS_AMX)
+// One softmax step of the AMX products' path over raw scores S^T (st: [key][ROWS], q.k
+// unscaled): keys past a row's position are masked where mask_k0 >= 0 (the step's first key),
+// P = 2^((s - m) scale log2 e) goes to pt, its sums into sum. The running max m is kept in raw
+// units and moves lazily: the pass that finds the step's max exponentiates against the current
+// m, and the step is done again against a new one only where some row passed m by more than
+// LAZY_MAX (the first step of an item always: m starts at -inf). alpha gets O's rescale factors
+// where m moved; the return says whether it did. P stays below e^LAZY_MAX (256) and O, P and
+// the sums agree on m whatever it is; P is rounded to bf16 for its product with V, so the
+// degree-3 2^x will do.
+bool amx_softmax_step(float* st, float* pt, int n, int mask_k0, const vf* posv, float scale,
+                      vf* mx, vf* sum, float* alpha) {
+  if (mask_k0 >= 0) {
+    const vf masked = splat(-1e30f);  // finite: vexp2_p takes finite inputs
+    for (int j = 0; j < n; ++j) {
+      const vf key = splat(static_cast<float>(mask_k0 + j));
+      for (int v = 0; v < MV; ++v) {
+        float* p = st + j * ROWS + v * VW;
+        storev(p, key > posv[v] ? masked : loadv(p));
+      }
+    }
+  }
+  const vf c = splat(scale * 1.44269504088896341f);
+  const vf lazy = splat(LAZY_MAX / scale);
+  bool moved = false;
+  for (int v = 0; v < MV; ++v) {
+    const float* sp = st + v * VW;
+    float* pp = pt + v * VW;
+    vf top[2] = {splat(-INFINITY), splat(-INFINITY)}, part[2] = {splat(0.f), splat(0.f)};
+    for (int j = 0; j < n; ++j) {
+      const vf x = loadv(sp + j * ROWS);
+      const vf e = vexp2_p((x - mx[v]) * c);
+      storev(pp + j * ROWS, e);
+      top[j & 1] = vmax(top[j & 1], x);
+      part[j & 1] += e;
+    }
+    const vf step_max = vmax(top[0], top[1]);
+    vf step_sum = part[0] + part[1];
+    vf factor = splat(1.f);
+    if (any_above(step_max, mx[v] + lazy)) {
+      const vf m = vmax(mx[v], step_max);
+      factor = vexp((mx[v] - m) * scale);  // 0 where m was -inf
+      part[0] = part[1] = splat(0.f);
+      for (int j = 0; j < n; ++j) {
+        const vf e = vexp2_p((loadv(sp + j * ROWS) - m) * c);
+        storev(pp + j * ROWS, e);
+        part[j & 1] += e;
+      }
+      step_sum = part[0] + part[1];
+      mx[v] = m;
+      moved = true;
+    }
+    sum[v] = sum[v] * factor + step_sum;
+    storev(alpha + v * VW, factor);
+  }
+  return moved;
+}
+#endif
 
 #if defined(PAGELLM_HAS_AMX)
 // K and V rows of keys [lo, hi), from wherever their blocks lie, into L2: the key tile after the
@@ -496,59 +559,44 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
       scores_tile(s.qt.data(), s.krow.data(), n, d, s.st.data());
     }
     const bool causal = k0 + n - 1 > first_pos;  // the tile reaches past the first row
-    if (amx || causal) {  // AMX scores get their scale here; the causal mask
-      const vf scale = splat(amx ? a.scale : 1.f);
-      const vf masked = splat(amx ? -1e30f : -INFINITY);  // vexp2_p takes finite inputs
-      for (int j = 0; j < n; ++j) {
-        const vf key = splat(static_cast<float>(causal ? k0 + j : -1));
-        for (int v = 0; v < MV; ++v) {
-          float* p = s.st.data() + j * ROWS + v * VW;
-          storev(p, key > posv[v] ? masked : loadv(p) * scale);
-        }
-      }
-    }
-    vf alpha[MV];
-    bool rescale = false;
-    for (int v = 0; v < MV; ++v) {
-      vf tile_max = splat(-INFINITY);
-      for (int j = 0; j < n; ++j) tile_max = vmax(tile_max, loadv(s.st.data() + j * ROWS + v * VW));
-      // AMX: the running max moves only where a row's scores pass it by more than LAZY_MAX, so
-      // that O (a trip through memory for the vector units) is rescaled on few steps; P stays
-      // below e^LAZY_MAX (256) and O, P and the sums agree on the max whatever it is.
-      const bool grow = !amx || any_above(tile_max, mx[v] + splat(LAZY_MAX));
-      const vf new_max = grow ? vmax(mx[v], tile_max) : mx[v];
-      alpha[v] = grow ? vexp(mx[v] - new_max) : splat(1.f);
-      rescale |= grow;
-      vf tile_sum = splat(0.f);
-      if (amx) {  // P is rounded to bf16 for its product with V: the degree-3 2^x will do
-        for (int j = 0; j < n; ++j) {
-          float* p = s.st.data() + j * ROWS + v * VW;
-          const vf e = vexp2_p((loadv(p) - new_max) * 1.44269504088896341f);
-          storev(p, e);
-          tile_sum += e;
-        }
-      } else {
-        for (int j = 0; j < n; ++j) {
-          float* p = s.st.data() + j * ROWS + v * VW;
-          const vf e = vexp(loadv(p) - new_max);
-          storev(p, e);
-          tile_sum += e;
-        }
-      }
-      sum[v] = sum[v] * alpha[v] + tile_sum;
-      mx[v] = new_max;
-    }
 #if defined(PAGELLM_HAS_AMX)
     if constexpr (bf16) {
       if (amx) {
         alignas(64) float alpha_rows[ROWS];
-        for (int v = 0; v < MV; ++v) storev(alpha_rows + v * VW, alpha[v]);
-        vector_amx_pv(d, n, s.st.data(), vb, rescale && !o_zero ? alpha_rows : nullptr, s.ot.data());
+        alignas(64) float pt[VA_KEYS * ROWS];
+        const bool moved = amx_softmax_step(s.st.data(), pt, n, causal ? k0 : -1, posv, a.scale,
+                                            mx, sum, alpha_rows);
+        vector_amx_pv(d, n, pt, vb, moved && !o_zero ? alpha_rows : nullptr, s.ot.data());
         o_zero = false;
         continue;
       }
     }
 #endif
+    if (causal) {
+      for (int j = 0; j < n; ++j) {
+        const vf key = splat(static_cast<float>(k0 + j));
+        for (int v = 0; v < MV; ++v) {
+          float* p = s.st.data() + j * ROWS + v * VW;
+          storev(p, key > posv[v] ? splat(-INFINITY) : loadv(p));
+        }
+      }
+    }
+    vf alpha[MV];
+    for (int v = 0; v < MV; ++v) {
+      vf tile_max = splat(-INFINITY);
+      for (int j = 0; j < n; ++j) tile_max = vmax(tile_max, loadv(s.st.data() + j * ROWS + v * VW));
+      const vf new_max = vmax(mx[v], tile_max);
+      alpha[v] = vexp(mx[v] - new_max);
+      vf tile_sum = splat(0.f);
+      for (int j = 0; j < n; ++j) {
+        float* p = s.st.data() + j * ROWS + v * VW;
+        const vf e = vexp(loadv(p) - new_max);
+        storev(p, e);
+        tile_sum += e;
+      }
+      sum[v] = sum[v] * alpha[v] + tile_sum;
+      mx[v] = new_max;
+    }
     key_rows(a, vc, table, head_base, k0, n, s.vbuf.data(), s.vrow.data());
     accumulate_tile(s.st.data(), s.vrow.data(), n, d, alpha, s.ot.data());
   }
@@ -559,8 +607,9 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
     float* ot = partials.ot(it.part);  // O^T [d][ROWS]
     for (int x = 0; x < d; ++x)
       for (int r = 0; r < ROWS; ++r) ot[x * ROWS + r] = o_at(x, r);
+    const vf mx_units = splat(amx ? a.scale : 1.f);  // the AMX path's max is in raw units
     for (int v = 0; v < MV; ++v) {
-      storev(partials.mx(it.part) + v * VW, mx[v]);
+      storev(partials.mx(it.part) + v * VW, mx[v] * mx_units);
       storev(partials.sum(it.part) + v * VW, sum[v]);
     }
     return;
