@@ -258,8 +258,9 @@ def test_prefix_workload_shares_prefixes_and_resends_history() -> None:
 
 
 def test_bench_step_splits_a_decode_step_into_parts(tiny_models, tmp_path) -> None:
-    """``pagellm bench step`` on the tiny model: every part is measured, and the parts add up
-    to the step."""
+    """``pagellm bench step`` on the tiny model: every part is measured, the parts add up to
+    the step, and every timed step runs the whole batch (the prefill takes several steps here,
+    in which the first requests already decode: none may finish before the timing ends)."""
     from pagellm.bench.step_profile import PARTS
     from pagellm.cli import main
 
@@ -268,13 +269,15 @@ def test_bench_step_splits_a_decode_step_into_parts(tiny_models, tmp_path) -> No
         "bench", "step", "--model", str(tiny_models("llama")), "--dtype", "float32",
         "--kv-cache-memory", "0.05", "--max-model-len", "256", "--batch-sizes", "1,3",
         "--context-len", "40", "--steps", "4", "--warmup-steps", "1",
-        "--output-json", str(out),
+        "--max-num-batched-tokens", "32", "--output-json", str(out),
     ]  # fmt: skip
     assert main(argv) == 0
     report = json.loads(out.read_text())
     assert [r["batch_size"] for r in report["results"]] == [1, 3]
     for row in report["results"]:
         ms = row["ms_per_step"]
+        assert row["mean_sequences"] == row["batch_size"]
+        assert row["mean_context"] > 40
         assert row["captured"]  # decode steps run captured by default: attention inside layers
         assert ms["attention"] is None
         assert all(ms[p] >= 0 for p in PARTS if p != "attention")

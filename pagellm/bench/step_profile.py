@@ -4,7 +4,9 @@ For each batch size B, B requests with random ``--context-len``-token prompts ar
 then ``--steps`` decode steps of the engine are timed with each part measured where it runs:
 scheduling, the runner's input preparation, the forward's layers without attention, attention,
 the LM head, sampling, the scheduler's update, and what is left of the step (detokenizing,
-stop checks, building outputs). A captured decode step (``pagellm.runner.captured``) runs its
+stop checks, building outputs), with the sequences each timed step ran and their mean
+length (the first requests decode while later ones prefill, so they are longer than the prompt;
+none finishes before the timing ends). A captured decode step (``pagellm.runner.captured``) runs its
 layers and attention as one list of kernel calls: its attention is inside "layers" (shown
 as "-"); ``--enforce-eager`` profiles the eager step. The parts are wall-clock times of the engine thread (the
 forward's own threads are inside "layers" and "attention"). Single-process engines only.
@@ -104,7 +106,9 @@ def profile_batch(llm: Any, batch: int, args: argparse.Namespace) -> dict[str, A
     engine = llm.engine
     rng = random.Random(batch)
     vocab = engine.vocab_size
-    total = args.warmup_steps + args.steps + 2
+    # The first requests decode while the later ones prefill (chunked): their budget must outlast
+    # that, or the timed steps would run fewer than ``batch`` sequences. They are aborted after.
+    total = max(args.warmup_steps + args.steps + 2, engine.max_model_len - args.context_len)
     params = SamplingParams(temperature=0, max_tokens=total, ignore_eos=True)
     ids = [f"step-{batch}-{i}" for i in range(batch)]
     for rid in ids:
@@ -121,7 +125,11 @@ def profile_batch(llm: Any, batch: int, args: argparse.Namespace) -> dict[str, A
     captured = engine.executor.captured
     before = captured.num_steps if captured is not None else 0
     timer.active = True
+    seqs = context = 0
     for _ in range(args.steps):
+        running = engine.scheduler.running
+        seqs += len(running)
+        context += sum(r.num_tokens for r in running)
         engine.step()
     timer.active = False
     ran_captured = captured is not None and captured.num_steps - before == args.steps
@@ -129,11 +137,14 @@ def profile_batch(llm: Any, batch: int, args: argparse.Namespace) -> dict[str, A
     parts = timer.per_step_ms(args.steps)
     if ran_captured:
         parts["attention"] = None  # inside the captured step's kernel list, not timed apart
+    mean_seqs = seqs / args.steps
     return {
         "batch_size": batch,
+        "mean_sequences": mean_seqs,
+        "mean_context": context / max(seqs, 1),
         "captured": ran_captured,
         "ms_per_step": parts,
-        "tokens_per_s": 1000.0 * batch / parts["step"],
+        "tokens_per_s": 1000.0 * mean_seqs / parts["step"],
     }
 
 
@@ -172,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
 def render(report: dict[str, Any]) -> str:
     cfg = report["config"]
     rows = [
-        [str(r["batch_size"]), f"{r['ms_per_step']['step']:.1f}",
+        [str(r["batch_size"]), f"{r['mean_sequences']:.1f}", f"{r['mean_context']:.0f}",
+         f"{r['ms_per_step']['step']:.1f}",
          *(_ms(r["ms_per_step"][p]) for p in PARTS), f"{r['tokens_per_s']:.1f}",
          "yes" if r["captured"] else "no"]
         for r in report["results"]
@@ -180,9 +192,12 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(
         [
             rep.cpu_line(report["environment"]),
-            f"pagellm bench step: ms per decode step at {cfg['context_len']} tokens of context, "
-            f"dtype={cfg['dtype']}, mean of {cfg['steps']} steps",
-            rep.format_table(["batch", "step", *PARTS, "tok/s", "captured"], rows),
+            f"pagellm bench step: ms per decode step after {cfg['context_len']}-token prompts, "
+            f"dtype={cfg['dtype']}, mean of {cfg['steps']} steps (seqs, context: the mean "
+            "sequences a step ran and their mean length)",
+            rep.format_table(
+                ["batch", "seqs", "context", "step", *PARTS, "tok/s", "captured"], rows
+            ),
         ]
     )
 
