@@ -115,21 +115,32 @@ def test_fused_ops_match_the_eager_modules(dtype):
     ops = load_decode_ops()
     assert ops is not None
     code, gen = DTYPE_CODES[dtype], torch.Generator().manual_seed(0)
-    rows, hidden = 5, 96
-    x = torch.randn(rows, hidden, generator=gen).to(dtype)
-    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
-    norm = RMSNorm(hidden, 1e-5).to(dtype)
-    norm.weight.data = torch.randn(hidden, generator=gen).to(dtype)
-    out = torch.empty_like(x)
-    res = residual.clone()
-    assert ops.add_rms_norm(code, x.data_ptr(), res.data_ptr(), norm.weight.data_ptr(),
-                            out.data_ptr(), rows, hidden, 1e-5, 2) == 0  # fmt: skip
-    expected_res = residual + x
-    assert torch.equal(res, expected_res)
-    with torch.no_grad():
-        torch.testing.assert_close(out, norm(expected_res), rtol=1e-5, atol=1e-5) if (
-            dtype == torch.float32
-        ) else _within_one_ulp(out, norm(expected_res))
+    rows = 5
+
+    def close(got: torch.Tensor, want: torch.Tensor) -> None:
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            _within_one_ulp(got, want)
+
+    for hidden in (96, 100):  # 100: a tail narrower than the vector width
+        x = torch.randn(rows, hidden, generator=gen).to(dtype)
+        residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+        norm = RMSNorm(hidden, 1e-5).to(dtype)
+        norm.weight.data = torch.randn(hidden, generator=gen).to(dtype)
+        out = torch.empty_like(x)
+        res = residual.clone()
+        assert ops.add_rms_norm(code, x.data_ptr(), res.data_ptr(), norm.weight.data_ptr(),
+                                out.data_ptr(), rows, hidden, 1e-5, 2) == 0  # fmt: skip
+        expected_res = residual + x
+        assert torch.equal(res, expected_res)
+        with torch.no_grad():
+            close(out, norm(expected_res))
+        no_residual = 0
+        assert ops.add_rms_norm(code, x.data_ptr(), no_residual, norm.weight.data_ptr(),
+                                out.data_ptr(), rows, hidden, 1e-5, 2) == 0  # fmt: skip
+        with torch.no_grad():
+            close(out, norm(x))
 
     hq, hkv, d = 3, 1, 16
     rotary = RotaryEmbedding(d, 64, inverse_frequencies(d, 10000.0, None, None))
