@@ -151,8 +151,13 @@ void attend_part_avx512(const Args& a, int b, int kvh, int lo, int hi,
   scores.resize(static_cast<size_t>(group) * ctx);
   const int64_t block_bytes = static_cast<int64_t>(a.block_size) * d * sizeof(C);
   const int num_ctx_blocks = (ctx + a.block_size - 1) / a.block_size;
+  // The first two blocks of K and of V: V's come in while K is walked (1.02-1.06x at 128-256
+  // sequences of 90-400 keys whose blocks lie in order, as a fresh cache gives them; the same
+  // on random blocks; 30 layers of SmolLM2's heads, 2-core Xeon, ad-hoc, in turn).
   for (int blk = 0; blk < std::min(2, num_ctx_blocks); ++blk) {
     prefetch_block<1>(kc + (head_base + static_cast<int64_t>(table[blk]) * a.block_size) * d,
+                   block_bytes);
+    prefetch_block<1>(vc + (head_base + static_cast<int64_t>(table[blk]) * a.block_size) * d,
                    block_bytes);
   }
   // Walk the context block by block (no integer division per row); blocks lie at random places
