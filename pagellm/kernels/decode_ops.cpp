@@ -146,29 +146,26 @@ inline vf round_v(vf v, const uint16_t*) {
 // step); the hidden size's last hidden % VW values one at a time.
 template <typename T>
 void norm_row(const T* x, T* residual, const T* weight, T* out, int hidden, float eps) {
-  const T* src = x;
   const int whole = hidden - hidden % VW;
   vf acc[4] = {splat(0.f), splat(0.f), splat(0.f), splat(0.f)};
   float tail = 0.f;
-  if (residual != nullptr) {
-    for (int i = 0; i < whole; i += VW) {
-      const vf v = round_v(load_t(residual + i) + load_t(x + i), static_cast<const T*>(nullptr));
+  for (int i = 0; i < whole; i += VW) {
+    vf v = load_t(x + i);
+    if (residual != nullptr) {
+      v = round_v(load_t(residual + i) + v, static_cast<const T*>(nullptr));
       store_t(residual + i, v);
-      acc[(i / VW) & 3] += v * v;
     }
-    for (int i = whole; i < hidden; ++i) {
-      store(residual + i, to_float(residual[i]) + to_float(x[i]));
-      const float v = to_float(residual[i]);
-      tail += v * v;
-    }
-    src = residual;
-  } else {
-    for (int i = 0; i < whole; i += VW) {
-      const vf v = load_t(x + i);
-      acc[(i / VW) & 3] += v * v;
-    }
-    for (int i = whole; i < hidden; ++i) tail += to_float(x[i]) * to_float(x[i]);
+    acc[(i / VW) & 3] += v * v;
   }
+  for (int i = whole; i < hidden; ++i) {
+    float v = to_float(x[i]);
+    if (residual != nullptr) {
+      store(residual + i, to_float(residual[i]) + v);
+      v = to_float(residual[i]);
+    }
+    tail += v * v;
+  }
+  const T* src = residual != nullptr ? residual : x;
   const vf total = (acc[0] + acc[1]) + (acc[2] + acc[3]);
   float sumsq = 0.f;
   for (int l = 0; l < VW; ++l) sumsq += total[l];

@@ -314,6 +314,17 @@ inline vf vexp2_p(vf x) {
 #endif
 }
 
+// Scores S^T [key][ROWS] of keys from k0: those past a row's position (posv) become `masked`.
+inline void mask_past(float* st, int n, int k0, const vf* posv, vf masked) {
+  for (int j = 0; j < n; ++j) {
+    const vf key = splat(static_cast<float>(k0 + j));
+    for (int v = 0; v < MV; ++v) {
+      float* p = st + j * ROWS + v * VW;
+      storev(p, key > posv[v] ? masked : loadv(p));
+    }
+  }
+}
+
 #if defined(PAGELLM_HAS_AMX)
 // One softmax step of the AMX products' path over raw scores S^T (st: [key][ROWS], q.k
 // unscaled): keys past a row's position are masked where mask_k0 >= 0 (the step's first key),
@@ -326,43 +337,33 @@ inline vf vexp2_p(vf x) {
 // degree-3 2^x will do.
 bool amx_softmax_step(float* st, float* pt, int n, int mask_k0, const vf* posv, float scale,
                       vf* mx, vf* sum, float* alpha) {
-  if (mask_k0 >= 0) {
-    const vf masked = splat(-1e30f);  // finite: vexp2_p takes finite inputs
-    for (int j = 0; j < n; ++j) {
-      const vf key = splat(static_cast<float>(mask_k0 + j));
-      for (int v = 0; v < MV; ++v) {
-        float* p = st + j * ROWS + v * VW;
-        storev(p, key > posv[v] ? masked : loadv(p));
-      }
-    }
-  }
+  if (mask_k0 >= 0) mask_past(st, n, mask_k0, posv, splat(-1e30f));  // finite: vexp2_p's input
   const vf c = splat(scale * 1.44269504088896341f);
   const vf lazy = splat(LAZY_MAX / scale);
   bool moved = false;
   for (int v = 0; v < MV; ++v) {
     const float* sp = st + v * VW;
     float* pp = pt + v * VW;
-    vf top[2] = {splat(-INFINITY), splat(-INFINITY)}, part[2] = {splat(0.f), splat(0.f)};
-    for (int j = 0; j < n; ++j) {
-      const vf x = loadv(sp + j * ROWS);
-      const vf e = vexp2_p((x - mx[v]) * c);
-      storev(pp + j * ROWS, e);
-      top[j & 1] = vmax(top[j & 1], x);
-      part[j & 1] += e;
-    }
-    const vf step_max = vmax(top[0], top[1]);
-    vf step_sum = part[0] + part[1];
+    vf step_max = splat(-INFINITY);
+    // P against max m into pt, returning its sum; the step's max into step_max where asked.
+    auto exponentiate = [&](vf m, bool find_max) {
+      vf top[2] = {step_max, step_max}, part[2] = {splat(0.f), splat(0.f)};
+      for (int j = 0; j < n; ++j) {
+        const vf x = loadv(sp + j * ROWS);
+        const vf e = vexp2_p((x - m) * c);
+        storev(pp + j * ROWS, e);
+        if (find_max) top[j & 1] = vmax(top[j & 1], x);
+        part[j & 1] += e;
+      }
+      if (find_max) step_max = vmax(top[0], top[1]);
+      return part[0] + part[1];
+    };
+    vf step_sum = exponentiate(mx[v], true);
     vf factor = splat(1.f);
     if (any_above(step_max, mx[v] + lazy)) {
       const vf m = vmax(mx[v], step_max);
       factor = vexp((mx[v] - m) * scale);  // 0 where m was -inf
-      part[0] = part[1] = splat(0.f);
-      for (int j = 0; j < n; ++j) {
-        const vf e = vexp2_p((loadv(sp + j * ROWS) - m) * c);
-        storev(pp + j * ROWS, e);
-        part[j & 1] += e;
-      }
-      step_sum = part[0] + part[1];
+      step_sum = exponentiate(m, false);
       mx[v] = m;
       moved = true;
     }
@@ -572,15 +573,7 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
       }
     }
 #endif
-    if (causal) {
-      for (int j = 0; j < n; ++j) {
-        const vf key = splat(static_cast<float>(k0 + j));
-        for (int v = 0; v < MV; ++v) {
-          float* p = s.st.data() + j * ROWS + v * VW;
-          storev(p, key > posv[v] ? splat(-INFINITY) : loadv(p));
-        }
-      }
-    }
+    if (causal) mask_past(s.st.data(), n, k0, posv, splat(-INFINITY));
     vf alpha[MV];
     for (int v = 0; v < MV; ++v) {
       vf tile_max = splat(-INFINITY);
