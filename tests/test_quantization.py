@@ -72,6 +72,34 @@ def test_kernel_matches_the_dequantized_matmul(kernel, name, rows):
     torch.testing.assert_close(kernel(xb, w), ref_b, rtol=2e-2, atol=5e-2)
 
 
+ONE_ROW_FORMATS = {
+    # the bf16 one-row path (quant_row.h) scales groups of 32 and 64 per lane, larger ones once
+    "q4_1_g32": FORMATS["q4_1"],
+    "q4_0_g32": FORMATS["q4_0"],
+    "int4_g64": FORMATS["int4"],
+    "int4_g128": QuantFormat("int4", bits=4, group_size=128, zero=None),
+    "int4_g256": QuantFormat("int4", bits=4, group_size=256, zero=None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ONE_ROW_FORMATS))
+@pytest.mark.parametrize("k", [256, 320, 768])
+def test_one_bf16_row_matches_the_dequantized_matmul(kernel, name, k):
+    """One row of bf16 x (a one-stream step): within one bf16 rounding of the exact product,
+    for rows that end mid-chunk (320: two and a half 128-input chunks) and a row count that
+    leaves a remainder of every row block."""
+    fmt = ONE_ROW_FORMATS[name]
+    if k % fmt.group_size:
+        pytest.skip("the group does not divide the inputs")
+    torch.manual_seed(k)
+    # offsets and zeros far from 0 make the part that the decoder's bias cancels large
+    w = quantize(torch.randn(37, k) + 0.5, fmt)
+    x = (torch.randn(1, k) + 1.0).bfloat16()
+    exact = x.double() @ w.dequantize().double().t()
+    got = kernel(x, w).double()
+    torch.testing.assert_close(got, exact, rtol=8e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_kernel_dequantization_is_the_reference_bit_for_bit(kernel, name):
     w = quantize(torch.randn(40, 128) * 3, FORMATS[name])

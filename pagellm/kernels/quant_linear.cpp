@@ -21,18 +21,21 @@
 // decoded in registers (never written out), RW output rows at a time against XB rows of x, and
 // the output features are split over torch's OpenMP pool: each thread streams its rows of W
 // once for every token, so a step reads 1 or 0.5 bytes per weight instead of 4.
+// One row of bf16 x against 4-bit codes goes to quant_row.h where the CPU has AVX-512 BF16.
 // quant_dequantize: rows [row0, row0 + rows) of W into fp32, for the large-batch path, which
 // decodes a panel that fits in cache and hands it to torch's GEMM (the decode is paid once for
 // all the rows of x), and for the tests' comparison with each format's reference.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <immintrin.h>
 
 #include "cpu_common.h"
 #include "quant_layout.h"
+#include "quant_row.h"
 
 namespace {
 
@@ -461,6 +464,14 @@ void run_single(const Layout& L, const float* xf, const T* bias, T* out, int n_o
 
 template <typename T, Code C>
 void run(const Layout& L, const T* x, const T* bias, T* out, int m, int n_out, int threads) {
+#if defined(QR_BF16_ROW)
+  if constexpr (std::is_same_v<T, uint16_t> && C == INT4) {
+    if (m == 1 && row_applies(L)) {
+      bf16_row_linear(L, x, bias, out, n_out, threads);
+      return;
+    }
+  }
+#endif
   std::vector<float> xf(static_cast<size_t>(m) * L.k);
   for (size_t i = 0; i < xf.size(); ++i) xf[i] = to_float(x[i]);
   if (m == 1) {
