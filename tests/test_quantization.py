@@ -73,7 +73,7 @@ def test_kernel_matches_the_dequantized_matmul(kernel, name, rows):
 
 
 ONE_ROW_FORMATS = {
-    # the bf16 one-row path (quant_row.h) scales groups of 32 and 64 per lane, larger ones once
+    # the bf16 few-rows path (quant_row.h) scales groups of 32 and 64 per lane, larger ones once
     "q4_1_g32": FORMATS["q4_1"],
     "q4_0_g32": FORMATS["q4_0"],
     "int4_g64": FORMATS["int4"],
@@ -84,17 +84,18 @@ ONE_ROW_FORMATS = {
 
 @pytest.mark.parametrize("name", sorted(ONE_ROW_FORMATS))
 @pytest.mark.parametrize("k", [256, 320, 768])
-def test_one_bf16_row_matches_the_dequantized_matmul(kernel, name, k):
-    """One row of bf16 x (a one-stream step): within one bf16 rounding of the exact product,
-    for rows that end mid-chunk (320: two and a half 128-input chunks) and a row count that
-    leaves a remainder of every row block."""
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_few_bf16_rows_match_the_dequantized_matmul(kernel, name, k, rows):
+    """One to three rows of bf16 x (steps of a few streams): within one bf16 rounding of the
+    exact product, for weight rows that end mid-chunk (320: two and a half 128-input chunks) and
+    a count of them that leaves a remainder of every row block."""
     fmt = ONE_ROW_FORMATS[name]
     if k % fmt.group_size:
         pytest.skip("the group does not divide the inputs")
-    torch.manual_seed(k)
+    torch.manual_seed(k + rows)
     # offsets and zeros far from 0 make the part that the decoder's bias cancels large
     w = quantize(torch.randn(37, k) + 0.5, fmt)
-    x = (torch.randn(1, k) + 1.0).bfloat16()
+    x = (torch.randn(rows, k) + 1.0).bfloat16()
     exact = x.double() @ w.dequantize().double().t()
     got = kernel(x, w).double()
     torch.testing.assert_close(got, exact, rtol=8e-3, atol=1e-3)

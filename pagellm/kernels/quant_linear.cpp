@@ -466,8 +466,8 @@ template <typename T, Code C>
 void run(const Layout& L, const T* x, const T* bias, T* out, int m, int n_out, int threads) {
 #if defined(QR_BF16_ROW)
   if constexpr (std::is_same_v<T, uint16_t> && C == INT4) {
-    if (m == 1 && row_applies(L)) {
-      bf16_row_linear(L, x, bias, out, n_out, threads);
+    if (m <= QR_MAX_X && row_applies(L)) {
+      bf16_rows_linear(L, x, bias, out, m, n_out, threads);
       return;
     }
   }

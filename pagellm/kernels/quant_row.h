@@ -1,6 +1,6 @@
-// One row of bf16 x (a one-stream decode step) against 4-bit weights (quant_layout.h) on CPUs
-// with bf16 products: y = x W^T (+ bias), W read as stored, for groups of 32 or 64 inputs or a
-// multiple of 128.
+// One or two rows of bf16 x (decode steps of one or two streams) against 4-bit weights
+// (quant_layout.h) on CPUs with bf16 products: y = x W^T (+ bias), W read as stored, for groups
+// of 32 or 64 inputs or a multiple of 128.
 //
 // Decoding. A chunk is 128 inputs of a row, 64 bytes (four 32-input blocks). Each 16-bit word of
 // it holds four codes, at bits 0-3, 4-7, 8-11 and 12-15: inputs j, j + 16, j + 1 and j + 17 of
@@ -16,9 +16,9 @@
 // A product's dword lane p sums words 2p and 2p + 1, both of block p / 4: a group of 32 or 64
 // inputs keeps to its own lanes, so each lane is scaled by its group's scale; a group of 128 or
 // more sums unscaled and is scaled once.
-// Measured (Xeon, 30 layers of SmolLM2's shapes, one row, two threads, in turn with the register
-// path): Q4_1 gate_up 62 against 80 us (1.29x), int4 g64 55 against 59, int4 g128 down 25.5
-// against 27.3; a one-stream step of the GGUF Q4_1 model ~1.2x faster.
+// Measured (Xeon, 30 layers of SmolLM2's four shapes, two threads, in turn with the register
+// path): Q4_1 1.22x at one and two rows of x, online int4 (groups of 64 and 128) 1.0x; a
+// one-stream step of the GGUF Q4_1 model ~1.2x faster.
 // (AMX was tried: with one row of x a tile product leaves 15 of C's 16 columns idle, and on the
 // Xeon measured a 16-row tile load took ~7 ns and a product ~10, so decoded A tiles ran at the
 // register path's speed.)
@@ -42,7 +42,16 @@ namespace pagellm {
 constexpr int ROW_CHUNK = 128;      // inputs per 64 bytes of 4-bit codes
 constexpr float ROW_BIAS = 16.f;    // what a decoded word adds to its code
 #ifndef QR_ROWS
-#define QR_ROWS 4  // rows of W a pass over x
+#define QR_ROWS 4  // rows of W a pass over one row of x
+#endif
+constexpr int QR_BLOCK = 16;  // rows of W a thread takes at a time
+// Rows of x this path takes (more: quant_linear.cpp's register paths, which multiply fp32).
+// Each row of x costs its four dot products a chunk: at three or more rows that is more than
+// the register path's fp32 products of weights decoded once (Xeon, 30 layers of SmolLM2's
+// shapes: 0.63-0.91x at 3, 0.76-0.90x at 4, 0.74-0.88x at 8; at 2 rows 0.99x int4 g64/g128,
+// 1.17x Q4_1).
+#ifndef QR_MAX_X
+#define QR_MAX_X 2
 #endif
 
 inline bool row_applies(const Layout& L) {
@@ -92,124 +101,160 @@ inline void row_group_consts(const Layout& L, int n, int g, __m512& s, __m512& c
   cv = _mm512_fnmadd_ps(_mm512_add_ps(zero, _mm512_set1_ps(ROW_BIAS)), s, off);
 }
 
-// x's sum over each group (16 zeros past the last).
-inline std::vector<float> group_sums(const uint16_t* x, const Layout& L) {
-  std::vector<float> sums(L.groups() + 16, 0.f);
-  for (int g = 0; g < L.groups(); ++g)
-    for (int c = g * L.group; c < (g + 1) * L.group; ++c) sums[g] += to_float(x[c]);
-  return sums;
-}
-
-// x permuted into the code vectors' order, [chunks][4][32], zeros past k.
-inline std::vector<uint16_t> row_order(const uint16_t* x, int k) {
-  const int chunks = (k + ROW_CHUNK - 1) / ROW_CHUNK;
-  std::vector<uint16_t> xp(static_cast<size_t>(chunks) * ROW_CHUNK, 0);
-  for (int base = 0; base < k; base += ROW_CHUNK)
-    for (int t = 0; t < 4; ++t)
-      for (int i = 0; i < 32; ++i)
-        if (base + row_input(t, i) < k) xp[base + t * 32 + i] = x[base + row_input(t, i)];
-  return xp;
-}
-
+// A call's x: rows in row order [m][chunks][4][32] (zeros past k), their group sums
+// [m][groups + 16] (zeros past the last).
 struct RowCall {
   const Layout& L;
-  const uint16_t* xp;  // x in row order (row_order)
-  const float* sums;   // x's group sums (group_sums)
-  int chunks;
+  std::vector<uint16_t> xp;
+  std::vector<float> sums;
+  int m, chunks, groups_stride;
+
+  RowCall(const Layout& layout, const uint16_t* x, int rows)
+      : L(layout), m(rows), chunks((layout.k + ROW_CHUNK - 1) / ROW_CHUNK),
+        groups_stride(layout.groups() + 16) {
+    const int k = L.k;
+    xp.assign(static_cast<size_t>(m) * chunks * ROW_CHUNK, 0);
+    sums.assign(static_cast<size_t>(m) * groups_stride, 0.f);
+    for (int i = 0; i < m; ++i) {
+      const uint16_t* xi = x + static_cast<int64_t>(i) * k;
+      uint16_t* dst = xp.data() + static_cast<int64_t>(i) * chunks * ROW_CHUNK;
+      for (int base = 0; base < k; base += ROW_CHUNK)
+        for (int t = 0; t < 4; ++t)
+          for (int w = 0; w < 32; ++w)
+            if (base + row_input(t, w) < k) dst[base + t * 32 + w] = xi[base + row_input(t, w)];
+      for (int g = 0; g < L.groups(); ++g)
+        for (int c = g * L.group; c < (g + 1) * L.group; ++c)
+          sums[static_cast<size_t>(i) * groups_stride + g] += to_float(xi[c]);
+    }
+  }
+  const uint16_t* x_row(int i) const { return xp.data() + static_cast<int64_t>(i) * chunks * ROW_CHUNK; }
+  const float* sums_row(int i) const { return sums.data() + static_cast<int64_t>(i) * groups_stride; }
 };
 
-// Row n's group scales into s[0, groups + 16) (zeros past the last) and its correction sum_g
-// (offset_g - (zero_g + 16) * scale_g) * xsum_g.
-inline float row_prologue(const RowCall& call, int n, float* s) {
-  __m512 corr = _mm512_setzero_ps();
-  for (int g = 0; g < call.L.groups(); g += 16) {
-    __m512 sv, cv;
-    row_group_consts(call.L, n, g, sv, cv);
+// Row n's group scales and corrections into s and cv [groups + 16] (zeros past the last).
+inline void row_prologue(const Layout& L, int n, float* s, float* cv) {
+  for (int g = 0; g < L.groups(); g += 16) {
+    __m512 sv, cvv;
+    row_group_consts(L, n, g, sv, cvv);
     _mm512_storeu_ps(s + g, sv);
-    corr = _mm512_fmadd_ps(cv, _mm512_loadu_ps(call.sums + g), corr);
+    _mm512_storeu_ps(cv + g, cvv);
   }
-  return _mm512_reduce_add_ps(corr);
 }
 
-// sum (16 + q) x over chunk c of a row (x: the chunk's four vectors), per lane.
-inline __m512 chunk_dot(const uint8_t* row, int64_t row_bytes, int c, const __m512bh* xv) {
-  const __m512i b = row_chunk(row, row_bytes, c);
-  const __m512 lo = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)row_codes<0>(b), xv[0]), (__m512bh)row_codes<1>(b), xv[1]);
-  const __m512 hi = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)row_codes<2>(b), xv[2]), (__m512bh)row_codes<3>(b), xv[3]);
+// sum_g cv_g * xsum_g: the zero points', offsets' and the decoder's 16's share of a dot product.
+inline float correction(const float* cv, const float* xsum, int groups) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int g = 0; g < groups; g += 16)
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(cv + g), _mm512_loadu_ps(xsum + g), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+// sum (16 + q) x over a chunk, per lane: codes w, x's four vectors at xc.
+inline __m512 chunk_dot(const __m512i* w, const uint16_t* xc) {
+  const auto xv = [xc](int t) { return (__m512bh)_mm512_loadu_si512(xc + 32 * t); };
+  const __m512 lo = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w[0], xv(0)), (__m512bh)w[1], xv(1));
+  const __m512 hi = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w[2], xv(2)), (__m512bh)w[3], xv(3));
   return _mm512_add_ps(lo, hi);
 }
 
-// out[r] = rows n.. n + R of W times x, less their corrections; s: the rows' scales (stride).
-template <int R>
-void dot_rows(const RowCall& call, int n, const float* s, int stride, float* out) {
+// out[i][r] = row n + r of W times x row x0 + i (M rows of x, R of W), less the corrections; s:
+// the rows' scales (stride apart). Each chunk of a row is decoded once for the M rows of x.
+template <int M, int R>
+void dot_rows(const RowCall& call, int x0, int n, const float* s, int stride, float* out) {
   const Layout& L = call.L;
   const uint8_t* rows[R];
   for (int r = 0; r < R; ++r) rows[r] = L.q + (n + r) * L.row_bytes();
+  const uint16_t* xs[M];
+  for (int i = 0; i < M; ++i) xs[i] = call.x_row(x0 + i);
   // lane p's group within its chunk: p / 4 (groups of 32 inputs) or p / 8 (64)
   const __m512i lane_group = L.group == 32
                                  ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
                                  : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   const int per_group = L.group / ROW_CHUNK;  // chunks a group (0: groups of 32 or 64)
-  __m512 acc[R], part[R];
-  for (int r = 0; r < R; ++r) acc[r] = part[r] = _mm512_setzero_ps();
+  __m512 acc[M][R], part[M][R];
+  for (int i = 0; i < M; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = part[i][r] = _mm512_setzero_ps();
   for (int c = 0; c < call.chunks; ++c) {
-    __m512bh xv[4];
-    for (int t = 0; t < 4; ++t)
-      xv[t] = (__m512bh)_mm512_loadu_si512(call.xp + c * ROW_CHUNK + 32 * t);
-    if (per_group == 0) {
-      const int g = c * (ROW_CHUNK / L.group);
-      for (int r = 0; r < R; ++r) {
-        const __m512 sv = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(s + r * stride + g));
-        acc[r] = _mm512_fmadd_ps(chunk_dot(rows[r], L.row_bytes(), c, xv), sv, acc[r]);
+    for (int r = 0; r < R; ++r) {
+      const __m512i b = row_chunk(rows[r], L.row_bytes(), c);
+      const __m512i w[4] = {row_codes<0>(b), row_codes<1>(b), row_codes<2>(b), row_codes<3>(b)};
+      if (per_group == 0) {
+        const __m512 sv = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(s + r * stride + c * (ROW_CHUNK / L.group)));
+        for (int i = 0; i < M; ++i) acc[i][r] = _mm512_fmadd_ps(chunk_dot(w, xs[i] + c * ROW_CHUNK), sv, acc[i][r]);
+      } else {
+        for (int i = 0; i < M; ++i) part[i][r] = _mm512_add_ps(part[i][r], chunk_dot(w, xs[i] + c * ROW_CHUNK));
       }
-    } else {
-      for (int r = 0; r < R; ++r) part[r] = _mm512_add_ps(part[r], chunk_dot(rows[r], L.row_bytes(), c, xv));
-      if ((c + 1) % per_group == 0) {  // a group's last chunk
-        const int g = c / per_group;
-        for (int r = 0; r < R; ++r) {
-          acc[r] = _mm512_fmadd_ps(part[r], _mm512_set1_ps(s[r * stride + g]), acc[r]);
-          part[r] = _mm512_setzero_ps();
+    }
+    if (per_group > 0 && (c + 1) % per_group == 0) {  // a group's last chunk: scale its sums
+      const int g = c / per_group;
+      for (int r = 0; r < R; ++r) {
+        const __m512 sv = _mm512_set1_ps(s[r * stride + g]);
+        for (int i = 0; i < M; ++i) {
+          acc[i][r] = _mm512_fmadd_ps(part[i][r], sv, acc[i][r]);
+          part[i][r] = _mm512_setzero_ps();
         }
       }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  for (int i = 0; i < M; ++i)
+    for (int r = 0; r < R; ++r) out[i * R + r] = _mm512_reduce_add_ps(acc[i][r]);
 }
 
-// Rows [n0, n1) of x W^T into res[0..].
-inline void dot_range(const RowCall& call, int n0, int n1, float* res) {
-  constexpr int R = QR_ROWS;
-  const int stride = call.L.groups() + 16;
-  thread_local std::vector<float> scales;
-  if (static_cast<int>(scales.size()) < R * stride) scales.resize(static_cast<size_t>(R) * stride);
-  float corr[R];
-  for (int n = n0; n < n1; n += R) {
-    const int rows = std::min(R, n1 - n);
-    for (int r = 0; r < rows; ++r) corr[r] = row_prologue(call, n + r, scales.data() + r * stride);
-    if (rows == R) {
-      dot_rows<R>(call, n, scales.data(), stride, res + (n - n0));
+// M rows of x from x0 against R rows of W from n (R: QR_ROWS, or one at a time at the end).
+template <int M>
+void dot_block(const RowCall& call, int x0, int n, int rows, const float* s, int stride,
+               float* res) {
+  constexpr int R = M == 1 ? QR_ROWS : 2;  // accumulators: M x R x 2 registers
+  float out[M * R];
+  for (int r0 = 0; r0 < rows; r0 += R) {
+    const int nr = std::min(R, rows - r0);
+    if (nr == R) {
+      dot_rows<M, R>(call, x0, n + r0, s + r0 * stride, stride, out);
+      for (int i = 0; i < M; ++i)
+        for (int r = 0; r < R; ++r) res[i * QR_BLOCK + r0 + r] = out[i * R + r];
     } else {
-      for (int r = 0; r < rows; ++r) dot_rows<1>(call, n + r, scales.data() + r * stride, stride, res + (n - n0) + r);
+      for (int r = 0; r < nr; ++r) {
+        dot_rows<M, 1>(call, x0, n + r0 + r, s + (r0 + r) * stride, stride, out);
+        for (int i = 0; i < M; ++i) res[i * QR_BLOCK + r0 + r] = out[i];
+      }
     }
-    for (int r = 0; r < rows; ++r) res[n - n0 + r] += corr[r];
   }
 }
 
-// y = x W^T (+ bias) for one row of bf16 x, output features split over the threads.
+// Rows [n0, n0 + rows) of W (rows <= QR_BLOCK) against every row of x: res[m][QR_BLOCK].
+inline void dot_range(const RowCall& call, int n0, int rows, float* res) {
+  const int stride = call.groups_stride;
+  thread_local std::vector<float> consts;
+  if (consts.size() < static_cast<size_t>(2 * QR_BLOCK) * stride) consts.resize(static_cast<size_t>(2 * QR_BLOCK) * stride);
+  float* s = consts.data();
+  float* cv = s + QR_BLOCK * stride;
+  for (int r = 0; r < rows; ++r) row_prologue(call.L, n0 + r, s + r * stride, cv + r * stride);
+  int x0 = 0;
+  for (; x0 + 2 <= call.m; x0 += 2) dot_block<2>(call, x0, n0, rows, s, stride, res + x0 * QR_BLOCK);
+  if (x0 < call.m) dot_block<1>(call, x0, n0, rows, s, stride, res + x0 * QR_BLOCK);
+  for (int i = 0; i < call.m; ++i)
+    for (int r = 0; r < rows; ++r)
+      res[i * QR_BLOCK + r] += correction(cv + r * stride, call.sums_row(i), call.L.groups());
+}
+
+// y = x W^T (+ bias) for m rows of bf16 x, output features split over the threads.
 template <typename T>
-void bf16_row_linear(const Layout& L, const uint16_t* x, const T* bias, T* out, int n_out,
-                     int threads) {
-  const std::vector<uint16_t> xp = row_order(x, L.k);
-  const std::vector<float> sums = group_sums(x, L);
-  const RowCall call{L, xp.data(), sums.data(), (L.k + ROW_CHUNK - 1) / ROW_CHUNK};
-  constexpr int SLICE = 4 * QR_ROWS;
-  const int slices = (n_out + SLICE - 1) / SLICE;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int slice = 0; slice < slices; ++slice) {
-    float res[SLICE];
-    const int n0 = slice * SLICE, n1 = std::min(n_out, n0 + SLICE);
-    dot_range(call, n0, n1, res);
-    for (int n = n0; n < n1; ++n) store(out + n, res[n - n0] + (bias ? to_float(bias[n]) : 0.f));
+void bf16_rows_linear(const Layout& L, const uint16_t* x, const T* bias, T* out, int m,
+                      int n_out, int threads) {
+  const RowCall call(L, x, m);
+  const int blocks = (n_out + QR_BLOCK - 1) / QR_BLOCK;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> res(static_cast<size_t>(m) * QR_BLOCK);
+#pragma omp for schedule(static)
+    for (int blk = 0; blk < blocks; ++blk) {
+      const int n0 = blk * QR_BLOCK, rows = std::min(QR_BLOCK, n_out - n0);
+      dot_range(call, n0, rows, res.data());
+      for (int i = 0; i < m; ++i)
+        for (int r = 0; r < rows; ++r)
+          store(out + static_cast<int64_t>(i) * n_out + n0 + r,
+                res[i * QR_BLOCK + r] + (bias ? to_float(bias[n0 + r]) : 0.f));
+    }
   }
 }
 
