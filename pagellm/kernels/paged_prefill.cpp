@@ -252,25 +252,28 @@ void pack_qt(const Args& a, const Item& it, int row0, int rows, uint16_t* qt) {
 }
 
 // S^T[j][row] for keys [k0, k0 + n) (k0 a multiple of 16, the block size a multiple of 16); rows
-// of st past n get what the last block's spare rows give, and are not read.
+// of st past n get what the last block's spare rows give, and are not read. halves: 1 when the
+// item has at most 16 rows (the second half of S^T is then neither computed nor read).
 void vector_amx_scores(const Args& a, const uint16_t* kc, const int32_t* table, int64_t head_base,
-                       int k0, int n, const uint16_t* qt, float* st) {
+                       int k0, int n, const uint16_t* qt, int halves, float* st) {
   const int d = a.head_dim;
   for (int j = 0; j < n; j += 16) {
     const int key = k0 + j;
     const uint16_t* rows = kc + (head_base + static_cast<int64_t>(table[key / a.block_size]) *
                                                  a.block_size + key % a.block_size) * d;
     _tile_zero(3);
-    _tile_zero(4);
+    if (halves == 2) _tile_zero(4);
     for (int x = 0; x < d / 32; ++x) {
       _tile_loadd(0, rows + x * 32, d * 2);
       _tile_loadd(1, qt + (x * 2) * 512, 64);
-      _tile_loadd(2, qt + (x * 2 + 1) * 512, 64);
       _tile_dpbf16ps(3, 0, 1);
-      _tile_dpbf16ps(4, 0, 2);
+      if (halves == 2) {
+        _tile_loadd(2, qt + (x * 2 + 1) * 512, 64);
+        _tile_dpbf16ps(4, 0, 2);
+      }
     }
     _tile_stored(3, st + static_cast<size_t>(j) * ROWS, ROWS * 4);
-    _tile_stored(4, st + static_cast<size_t>(j) * ROWS + 16, ROWS * 4);
+    if (halves == 2) _tile_stored(4, st + static_cast<size_t>(j) * ROWS + 16, ROWS * 4);
   }
 }
 #endif
@@ -334,14 +337,14 @@ inline void mask_past(float* st, int n, int k0, const vf* posv, vf masked) {
 // LAZY_MAX (the first step of an item always: m starts at -inf). alpha gets O's rescale factors
 // where m moved; the return says whether it did. P stays below e^LAZY_MAX (256) and O, P and
 // the sums agree on m whatever it is; P is rounded to bf16 for its product with V, so the
-// degree-3 2^x will do.
+// degree-3 2^x will do. halves: the vectors of rows in use (1: rows 16-31 are padding).
 bool amx_softmax_step(float* st, float* pt, int n, int mask_k0, const vf* posv, float scale,
-                      vf* mx, vf* sum, float* alpha) {
+                      int halves, vf* mx, vf* sum, float* alpha) {
   if (mask_k0 >= 0) mask_past(st, n, mask_k0, posv, splat(-1e30f));  // finite: vexp2_p's input
   const vf c = splat(scale * 1.44269504088896341f);
   const vf lazy = splat(LAZY_MAX / scale);
   bool moved = false;
-  for (int v = 0; v < MV; ++v) {
+  for (int v = 0; v < halves; ++v) {
     const float* sp = st + v * VW;
     float* pp = pt + v * VW;
     vf step_max = splat(-INFINITY);
@@ -431,18 +434,20 @@ void pack_v_pairs(const Args& a, const uint16_t* vc, const int32_t* table, int64
 
 // O[row][:] = O[row][:] * alpha[row] + P[row][keys] . V[keys][:] for the (up to) VA_KEYS keys
 // whose P^T is st ([key][ROWS], S^T's exponentials) and whose V pairs pack_v_pairs packed into
-// vb; O is [ROWS][head_dim] fp32 here (not O^T); alpha null: no rescale. P is rounded to bf16
+// vb; O is [ROWS][head_dim] fp32 here (not O^T); alpha null: no rescale; halves 1: rows 0-15
+// only (the rest, padding, left as they are). P is rounded to bf16
 // and transposed into A tiles (16 rows x 32 keys); keys past n weigh 0. O makes one trip
 // through the C tiles per call. Tiles: 1-2 P halves and 0 V of the first 32 keys, 5-6 and 7 of
 // the next, 3-4 O halves.
-void vector_amx_pv(int d, int n, float* st, const uint16_t* vb, const float* alpha, float* o) {
+void vector_amx_pv(int d, int n, float* st, const uint16_t* vb, const float* alpha, int halves,
+                   float* o) {
   const int chunks = (n + 31) / 32;
   alignas(64) uint16_t pa[VA_CHUNKS][2 * 16 * 32];
   for (int j = n; j < chunks * 32; ++j)
     std::fill(st + static_cast<size_t>(j) * ROWS, st + static_cast<size_t>(j + 1) * ROWS, 0.f);
   for (int c = 0; c < chunks; ++c) {
     const float* sc = st + static_cast<size_t>(c) * 32 * ROWS;
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < halves; ++h) {
       __m512i lo[16], hi[16];
       for (int j = 0; j < 16; ++j) {
         lo[j] = _mm512_loadu_si512(sc + static_cast<size_t>(j) * ROWS + h * 16);
@@ -457,32 +462,33 @@ void vector_amx_pv(int d, int n, float* st, const uint16_t* vb, const float* alp
     }
   }
   if (alpha != nullptr) {
-    for (int r = 0; r < ROWS; ++r) {
+    for (int r = 0; r < 16 * halves; ++r) {
       const __m512 f = _mm512_set1_ps(alpha[r]);
       for (int x = 0; x < d; x += 16)
         _mm512_storeu_ps(o + r * d + x, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + x), f));
     }
   }
   const size_t chunk_elems = static_cast<size_t>(d / 16) * 16 * 32;
+  const bool two = halves == 2;
   _tile_loadd(1, pa[0], 64);
-  _tile_loadd(2, pa[0] + 16 * 32, 64);
+  if (two) _tile_loadd(2, pa[0] + 16 * 32, 64);
   if (chunks > 1) {
     _tile_loadd(5, pa[1], 64);
-    _tile_loadd(6, pa[1] + 16 * 32, 64);
+    if (two) _tile_loadd(6, pa[1] + 16 * 32, 64);
   }
   for (int x = 0; x < d / 16; ++x) {
     _tile_loadd(3, o + x * 16, d * 4);
-    _tile_loadd(4, o + 16 * d + x * 16, d * 4);
+    if (two) _tile_loadd(4, o + 16 * d + x * 16, d * 4);
     _tile_loadd(0, vb + x * 16 * 32, 64);
     _tile_dpbf16ps(3, 1, 0);
-    _tile_dpbf16ps(4, 2, 0);
+    if (two) _tile_dpbf16ps(4, 2, 0);
     if (chunks > 1) {
       _tile_loadd(7, vb + chunk_elems + x * 16 * 32, 64);
       _tile_dpbf16ps(3, 5, 7);
-      _tile_dpbf16ps(4, 6, 7);
+      if (two) _tile_dpbf16ps(4, 6, 7);
     }
     _tile_stored(3, o + x * 16, d * 4);
-    _tile_stored(4, o + 16 * d + x * 16, d * 4);
+    if (two) _tile_stored(4, o + 16 * d + x * 16, d * 4);
   }
 }
 #endif
@@ -499,6 +505,9 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
 
   constexpr bool bf16 = std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t>;
   const bool amx = bf16 && a.vector_amx;  // then O is [ROWS][d] here, not O^T [d][ROWS]
+  // AMX products: an item of at most 16 rows (a chunk of up to 5 tokens at a group of 3, the
+  // last rows of a longer one) computes half of S^T, P and O: 1.2x on 5 tokens over 7000 keys
+  const int halves = it.rows > 16 ? 2 : 1;
 #if defined(PAGELLM_HAS_AMX)
   alignas(64) uint16_t qt[4 * 1024];  // Q^T B tiles, head_dim <= 128
   if (amx) pack_qt(a, it, it.row0, it.rows, qt);
@@ -550,7 +559,7 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
 #if defined(PAGELLM_HAS_AMX)
     if constexpr (bf16) {
       if (amx) {
-        vector_amx_scores(a, kc, table, head_base, k0, n, qt, s.st.data());
+        vector_amx_scores(a, kc, table, head_base, k0, n, qt, halves, s.st.data());
         pack_v_pairs(a, vc, table, head_base, k0, n, vb);
       }
     }
@@ -566,8 +575,8 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
         alignas(64) float alpha_rows[ROWS];
         alignas(64) float pt[VA_KEYS * ROWS];
         const bool moved = amx_softmax_step(s.st.data(), pt, n, causal ? k0 : -1, posv, a.scale,
-                                            mx, sum, alpha_rows);
-        vector_amx_pv(d, n, pt, vb, moved && !o_zero ? alpha_rows : nullptr, s.ot.data());
+                                            halves, mx, sum, alpha_rows);
+        vector_amx_pv(d, n, pt, vb, moved && !o_zero ? alpha_rows : nullptr, halves, s.ot.data());
         o_zero = false;
         continue;
       }
