@@ -279,8 +279,9 @@ class ModelRunner:
         a long prompt's chunks beside decodes in eager and captured steps alike (5 at a group
         of 3 on AVX2); 1 without it or in the batch-invariant mode (rows of the decode kernel).
         A whole item even where a half one costs less (bf16 on AMX): a long prompt's deep
-        chunks of half items took 0.9x the step time but twice the steps (an 8000-token prompt
-        beside 8 streams, in process: 31.7 s against 20.4 s to its first token)."""
+        chunks of half items made its deepest steps no faster (memory bound) and twice as many
+        (an 8000-token prompt beside 8 streams, in process: 31.7 s against 20.4 s to its first
+        token)."""
         kernel = getattr(self.backend, "prefill_kernel", None)
         if not isinstance(kernel, PagedPrefillKernel) or self.backend.batch_invariant:
             return 1
