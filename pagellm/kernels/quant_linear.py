@@ -1,5 +1,6 @@
 """Python face of the quantized linear kernels: integer and FP8 E4M3 codes in the stored form of
-``pagellm.quant.formats``, decoded in registers for a few rows (quant_linear.cpp) and, for bf16
+``pagellm.quant.formats``, decoded in registers for a few rows (quant_linear.cpp; one or two bf16
+rows against 4-bit codes by bf16 dot products where the CPU has them, quant_row.h) and, for bf16
 activations on a CPU with native bf16 products, decoded to bf16 once per call and multiplied on
 AMX tiles or AVX-512 BF16 dot products for more (quant_tiles.cpp)."""
 
