@@ -331,3 +331,57 @@ def test_long_prompt_chunks_beside_decodes_go_through_the_prefill_kernel(tiny_mo
     for i, prompt in enumerate(longs):
         compare_greedy(ours[f"l{i}"], hf_greedy(hf, prompt, 6), f"long#{i}")
     compare_greedy(ours["s2"], hf_greedy(hf, streams[2], 90), "stream#2")
+
+
+def test_small_chunks_take_the_prefill_kernel_where_its_smallest_item_is_cheaper(
+    tmp_path, default_tokenizer_dir
+):
+    """A prompt cut into 3-4 token chunks beside a decoding stream, bf16, head_dim 64: a captured
+    step sends a chunk to the prefill kernel from half the kernel's smallest work item on (4
+    tokens at a group of 2 where bf16 items of 16 rows run on AMX tiles, 8 elsewhere), as rows
+    below that; the tokens equal the eager engine's either way."""
+    import shutil
+
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+        tie_word_embeddings=True, architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    torch.manual_seed(7)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path))
+    for f in default_tokenizer_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    kw = dict(dtype="bfloat16", kv_cache_memory=0.02, max_model_len=256,
+              long_prefill_token_threshold=8, long_prefill_decode_budget=4)  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    stream = torch.randint(100, 40000, (6,), generator=gen).tolist()
+    prompt = torch.randint(100, 40000, (40,), generator=gen).tolist()
+
+    def run(llm: LLM) -> dict[str, list[int]]:
+        engine = llm.engine
+        engine.add_request("s", stream, SamplingParams(temperature=0, max_tokens=40,
+                                                       ignore_eos=True))  # fmt: skip
+        engine.step()
+        engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=4,
+                                                       ignore_eos=True))  # fmt: skip
+        out: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = list(o.outputs[0].token_ids)
+        return out
+
+    captured = LLM(str(tmp_path), **kw)
+    decoder = captured.engine.executor.captured
+    if decoder is None or decoder.prefill_kernel is None:
+        pytest.skip("no captured steps or no C++ prefill kernel here")
+    ours = run(captured)
+    smallest = captured.engine.executor.backend.prefill_item_rows()
+    assert decoder.min_chunk_tokens == -(-smallest // 4)
+    if smallest < decoder.prefill_kernel.item_rows:  # half items on AMX: 4-token chunks
+        assert decoder.min_chunk_tokens == 4 and decoder.num_kernel_chunks > 0
+    else:
+        assert decoder.num_kernel_chunks == 0
+    assert ours == run(LLM(str(tmp_path), enforce_eager=True, **kw))

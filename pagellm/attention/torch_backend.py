@@ -152,6 +152,16 @@ class TorchAttentionBackend:
             return False
         return num_tokens * (start_pos + num_tokens) <= self.ROW_WISE_WORK_LIMIT
 
+    def prefill_item_rows(self) -> int:
+        """Query rows of the C++ prefill kernel's smallest work item for this backend's calls
+        (0 without that kernel)."""
+        kernel = self.prefill_kernel
+        if not isinstance(kernel, PagedPrefillKernel):
+            return 0
+        return kernel.smallest_item_rows(
+            self.dtype, self.kv_format.kernel_code, self.head_dim, self.block_size
+        )
+
     @property
     def cache_dtype(self) -> torch.dtype:
         """The element type of the cache tensors (uint8 for FP8)."""

@@ -1163,6 +1163,16 @@ extern "C" int paged_prefill_vector_width() { return VW; }
 // of fewer rows costs as much as one of this many.
 extern "C" int paged_prefill_item_rows() { return ROWS; }
 
+// Query rows of the smallest work item whose products run on AMX tiles (bf16 q and cache,
+// head_dim a multiple of 32, blocks a multiple of 16): 16, half the tiles and softmax of a whole
+// item; ROWS where those products are not built or allowed.
+extern "C" int paged_prefill_amx_item_rows() {
+#if defined(PAGELLM_HAS_AMX)
+  if (PP_VECTOR_AMX && ROWS == 32 && amx_permitted()) return 16;
+#endif
+  return ROWS;
+}
+
 // Whether this build and process can take the AMX path (bf16 calls then may).
 extern "C" int paged_prefill_has_amx() {
 #if defined(PAGELLM_HAS_AMX)

@@ -195,12 +195,14 @@ class CapturedDecoder:
         batch-invariant mode reads every token's keys in the decode kernel's order)."""
         group = model.layers[0].self_attn.num_heads // model.layers[0].self_attn.num_kv_heads
         self.min_chunk_tokens = (
-            -(-self.prefill_kernel.item_rows // (2 * group)) if self.prefill_kernel else 0
+            -(-backend.prefill_item_rows() // (2 * group)) if self.prefill_kernel else 0
         )
-        """A chunk of at least this many tokens fills half a prefill kernel work item: there
-        one call reading the prefix once beats a decode-kernel row per token (in L3 at a group
-        of 3 on AVX2, 1-2 tokens as rows took 0.4-0.7x the kernel's time, 4-16 tokens
-        1.1-1.8x)."""
+        """A chunk of at least this many tokens fills half the prefill kernel's smallest work
+        item: there one call reading the prefix once beats a decode-kernel row per token (in L3
+        at a group of 3 on AVX2, 1-2 tokens as rows took 0.4-0.7x the kernel's time, 4-16
+        tokens 1.1-1.8x; on the Xeon in bf16, where the smallest item is 16 rows and this is 3
+        tokens, rows took 0.53-0.64x at 1 token, 0.87-1.07x at 2, 1.18-2.63x at 3-5, over
+        300-7000 cached keys)."""
 
     ROW_WORK_LIMIT = 128 * 1024
     """A prefill chunk of at most this many (tokens x context positions) runs as rows of the
