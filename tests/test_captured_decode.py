@@ -289,6 +289,35 @@ def test_block_table_rows_follow_changed_blocks_of_equal_count():
     assert inputs.slots[0].item() == 9 * 16 + 1
 
 
+def _prompts_beside_streams(
+    llm: LLM,
+    streams: dict[str, list[int]],
+    stream_tokens: int,
+    prompts: dict[str, list[int]],
+    prompt_tokens: int,
+    warm_steps: int,
+) -> dict[str, list[int]]:
+    """Greedy streams decode for ``warm_steps`` steps, then the prompts arrive while they go on;
+    every request's tokens once all have finished."""
+    engine = llm.engine
+
+    def add(requests: dict[str, list[int]], max_tokens: int) -> None:
+        for rid, ids in requests.items():
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            engine.add_request(rid, ids, params)
+
+    add(streams, stream_tokens)
+    for _ in range(warm_steps):
+        engine.step()
+    add(prompts, prompt_tokens)
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = list(o.outputs[0].token_ids)
+    return out
+
+
 def test_long_prompt_chunks_beside_decodes_go_through_the_prefill_kernel(tiny_models):
     """A long prompt's cut chunks (and a second prompt's) while others decode: captured steps
     attend them with the prefill kernel, chunks last in the step, and every token equals the
@@ -305,21 +334,10 @@ def test_long_prompt_chunks_beside_decodes_go_through_the_prefill_kernel(tiny_mo
     longs = [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in (300, 130)]
 
     def run(llm: LLM) -> dict[str, list[int]]:
-        engine = llm.engine
-        for i, p in enumerate(streams):
-            engine.add_request(f"s{i}", p, SamplingParams(temperature=0, max_tokens=90,
-                                                          ignore_eos=True))  # fmt: skip
-        for _ in range(3):
-            engine.step()
-        for i, p in enumerate(longs):  # arrive while the streams decode
-            engine.add_request(f"l{i}", p, SamplingParams(temperature=0, max_tokens=6,
-                                                          ignore_eos=True))  # fmt: skip
-        out: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    out[o.request_id] = list(o.outputs[0].token_ids)
-        return out
+        return _prompts_beside_streams(
+            llm, {f"s{i}": p for i, p in enumerate(streams)}, 90,
+            {f"l{i}": p for i, p in enumerate(longs)}, 6, warm_steps=3,
+        )  # fmt: skip
 
     captured = LLM(str(path), **kw)
     ours = run(captured)
@@ -360,18 +378,7 @@ def test_small_chunks_take_the_prefill_kernel_where_its_smallest_item_is_cheaper
     prompt = torch.randint(100, 40000, (40,), generator=gen).tolist()
 
     def run(llm: LLM) -> dict[str, list[int]]:
-        engine = llm.engine
-        engine.add_request("s", stream, SamplingParams(temperature=0, max_tokens=40,
-                                                       ignore_eos=True))  # fmt: skip
-        engine.step()
-        engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=4,
-                                                       ignore_eos=True))  # fmt: skip
-        out: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    out[o.request_id] = list(o.outputs[0].token_ids)
-        return out
+        return _prompts_beside_streams(llm, {"s": stream}, 40, {"p": prompt}, 4, warm_steps=1)
 
     captured = LLM(str(tmp_path), **kw)
     decoder = captured.engine.executor.captured

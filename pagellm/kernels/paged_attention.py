@@ -43,20 +43,6 @@ class PagedDecodeKernel:
     def supports(dtype: torch.dtype, kv_code: int = 0) -> bool:
         return dtype in _DTYPE_CODES and kv_code in _KV_CODES
 
-    def smallest_item_rows(
-        self, dtype: torch.dtype, kv_code: int, head_dim: int, block_size: int
-    ) -> int:
-        """Query rows of the smallest work item of calls with these shapes: fewer rows cost as
-        much as this many."""
-        tiles = (
-            self.allow_amx
-            and dtype == torch.bfloat16
-            and kv_code == 0
-            and head_dim % 32 == 0
-            and block_size % 16 == 0
-        )
-        return self.amx_item_rows if tiles else self.item_rows
-
     def __call__(
         self,
         q: torch.Tensor,

@@ -21,7 +21,7 @@
 // decoded in registers (never written out), RW output rows at a time against XB rows of x, and
 // the output features are split over torch's OpenMP pool: each thread streams its rows of W
 // once for every token, so a step reads 1 or 0.5 bytes per weight instead of 4.
-// One row of bf16 x against 4-bit codes goes to quant_row.h where the CPU has AVX-512 BF16.
+// One or two rows of bf16 x against 4-bit codes go to quant_row.h where the CPU has AVX-512 BF16.
 // quant_dequantize: rows [row0, row0 + rows) of W into fp32, for the large-batch path, which
 // decodes a panel that fits in cache and hands it to torch's GEMM (the decode is paid once for
 // all the rows of x), and for the tests' comparison with each format's reference.
