@@ -18,10 +18,12 @@ from pagellm.quant.formats import QuantizedWeight, quantize_activations_int8
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 TILE_ROWS = {
-    # AMX: tiles from 8 rows (at 4 decoding them cost more than the register path), bf16 panels
-    # for torch's (oneDNN's) GEMM above 256 rows (2048 x 576 x 3072: 2.2 ms that way, 5.1 ms on
+    # AMX: tiles from 5 rows (30 layers of SmolLM2's shapes against the register path, which
+    # decodes into an fp32 buffer above 4 rows: 1.17-1.86x at 5-7 rows for int4, Q4_1 and
+    # int8; at 3-4 rows 0.82-0.91x for int4 and int8, 1.04-1.14x for Q4_1), bf16 panels for
+    # torch's (oneDNN's) GEMM above 256 rows (2048 x 576 x 3072: 2.2 ms that way, 5.1 ms on
     # the tiles, 2.1 ms dense bf16)
-    2: (8, 256, True),
+    2: (5, 256, True),
     # AVX-512 BF16 (no AMX; measured with oneDNN held to AVX512_CORE_BF16): dot products win at
     # 16-128 rows only; above, the fp32 panels beat both them and a bf16 GEMM (2048 rows: 20 vs
     # 31 ms)
