@@ -133,9 +133,9 @@ class PagedPrefillKernel:
         self.item_rows = int(lib.paged_prefill_item_rows())
         """Query rows (token x query head of a group) per work item of the vector path: fewer
         rows cost as much as this many."""
-        self.amx_item_rows = int(lib.paged_prefill_amx_item_rows())
-        """Query rows of the smallest work item where the vector path's products run on AMX
-        tiles: 16 (half the tiles of ``item_rows``), or ``item_rows`` without them."""
+        self._smallest_rows = lib.paged_prefill_smallest_item_rows
+        self._smallest_rows.restype = ctypes.c_int
+        self._smallest_rows.argtypes = [ctypes.c_int] * 5
         self.has_amx = bool(lib.paged_prefill_has_amx())
         """This CPU and build run bf16 calls (plain cache, head_dim a multiple of 32, at least
         one 32-row item per thread) on AMX tiles."""
@@ -148,16 +148,11 @@ class PagedPrefillKernel:
     def smallest_item_rows(
         self, dtype: torch.dtype, kv_code: int, head_dim: int, block_size: int
     ) -> int:
-        """Query rows of the smallest work item of calls with these shapes: fewer rows cost as
-        much as this many."""
-        tiles = (
-            self.allow_amx
-            and dtype == torch.bfloat16
-            and kv_code == 0
-            and head_dim % 32 == 0
-            and block_size % 16 == 0
-        )
-        return self.amx_item_rows if tiles else self.item_rows
+        """Query rows of the smallest work item of calls with these shapes (the kernel's own
+        rule: half an item where its products run on AMX tiles): fewer rows cost as much as
+        this many."""
+        code = _DTYPE_CODES.get(dtype, -1)
+        return int(self._smallest_rows(code, kv_code, head_dim, block_size, int(self.allow_amx)))
 
     def __call__(
         self,

@@ -50,6 +50,7 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
 #endif
 constexpr int MV = PP_MV;      // vectors per row of lanes
 constexpr int ROWS = MV * VW;  // query rows per work item (lanes of the score tiles)
+constexpr int HALF_ROWS = 16;  // rows of half an item of the AMX products (one C tile's)
 constexpr int BK = PP_BK;      // keys per tile
 constexpr int NJ = PP_NQK;     // keys per QK micro-step (NJ * MV accumulators)
 constexpr int NP = PP_NPV;     // head dims per PV micro-step (NP * MV accumulators)
@@ -317,11 +318,12 @@ inline vf vexp2_p(vf x) {
 #endif
 }
 
-// Scores S^T [key][ROWS] of keys from k0: those past a row's position (posv) become `masked`.
-inline void mask_past(float* st, int n, int k0, const vf* posv, vf masked) {
+// Scores S^T [key][ROWS] of keys from k0, in the first `vecs` vectors of rows: those past a
+// row's position (posv) become `masked`.
+inline void mask_past(float* st, int n, int k0, const vf* posv, vf masked, int vecs = MV) {
   for (int j = 0; j < n; ++j) {
     const vf key = splat(static_cast<float>(k0 + j));
-    for (int v = 0; v < MV; ++v) {
+    for (int v = 0; v < vecs; ++v) {
       float* p = st + j * ROWS + v * VW;
       storev(p, key > posv[v] ? masked : loadv(p));
     }
@@ -340,7 +342,7 @@ inline void mask_past(float* st, int n, int k0, const vf* posv, vf masked) {
 // degree-3 2^x will do. halves: the vectors of rows in use (1: rows 16-31 are padding).
 bool amx_softmax_step(float* st, float* pt, int n, int mask_k0, const vf* posv, float scale,
                       int halves, vf* mx, vf* sum, float* alpha) {
-  if (mask_k0 >= 0) mask_past(st, n, mask_k0, posv, splat(-1e30f));  // finite: vexp2_p's input
+  if (mask_k0 >= 0) mask_past(st, n, mask_k0, posv, splat(-1e30f), halves);  // finite: vexp2_p's
   const vf c = splat(scale * 1.44269504088896341f);
   const vf lazy = splat(LAZY_MAX / scale);
   bool moved = false;
@@ -505,9 +507,10 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
 
   constexpr bool bf16 = std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t>;
   const bool amx = bf16 && a.vector_amx;  // then O is [ROWS][d] here, not O^T [d][ROWS]
-  // AMX products: an item of at most 16 rows (a chunk of up to 5 tokens at a group of 3, the
-  // last rows of a longer one) computes half of S^T, P and O: 1.2x on 5 tokens over 7000 keys
-  const int halves = it.rows > 16 ? 2 : 1;
+  // AMX products: an item of at most HALF_ROWS rows (a chunk of up to 5 tokens at a group of
+  // 3, the last rows of a longer one) computes half of S^T, P and O: 1.2x on 5 tokens over
+  // 7000 keys
+  const int halves = it.rows > HALF_ROWS ? 2 : 1;
 #if defined(PAGELLM_HAS_AMX)
   alignas(64) uint16_t qt[4 * 1024];  // Q^T B tiles, head_dim <= 128
   if (amx) pack_qt(a, it, it.row0, it.rows, qt);
@@ -1127,6 +1130,20 @@ int run_cache(int kv_code, const Args& a, int num_chunks, int num_threads) {
   }
 }
 
+// Whether calls of these shapes run the vector path's two products on AMX tiles (bf16 q and
+// cache, head_dim a multiple of 32 up to 128, blocks a multiple of 16).
+bool vector_amx_applies(int dtype_code, int kv_code, int head_dim, int block_size,
+                        int allow_amx) {
+#if defined(PAGELLM_HAS_AMX)
+  return PP_VECTOR_AMX && allow_amx && dtype_code == 1 && kv_code == 0 && ROWS == 32 &&
+         head_dim % 32 == 0 && head_dim <= 128 && block_size % 16 == 0 && BK % 16 == 0 &&
+         amx_permitted();
+#else
+  (void)dtype_code, (void)kv_code, (void)head_dim, (void)block_size, (void)allow_amx;
+  return false;
+#endif
+}
+
 }  // namespace
 
 extern "C" int paged_prefill_attention(
@@ -1141,9 +1158,7 @@ extern "C" int paged_prefill_attention(
          num_heads, num_kv_heads, head_dim, num_blocks,   block_size,   max_blocks, scale,
          v_scale};
 #if defined(PAGELLM_HAS_AMX)
-  a.vector_amx = PP_VECTOR_AMX && allow_amx && dtype_code == 1 && kv_code == 0 &&
-                        ROWS == 32 && head_dim % 32 == 0 && head_dim <= 128 &&
-                        block_size % 16 == 0 && BK % 16 == 0 && amx_permitted();
+  a.vector_amx = vector_amx_applies(dtype_code, kv_code, head_dim, block_size, allow_amx);
   std::vector<uint8_t> mask;
   const int on_amx = allow_amx ? amx_chunk_mask(a, dtype_code, kv_code, num_chunks, mask) : 0;
   if (on_amx > 0) {
@@ -1163,14 +1178,13 @@ extern "C" int paged_prefill_vector_width() { return VW; }
 // of fewer rows costs as much as one of this many.
 extern "C" int paged_prefill_item_rows() { return ROWS; }
 
-// Query rows of the smallest work item whose products run on AMX tiles (bf16 q and cache,
-// head_dim a multiple of 32, blocks a multiple of 16): 16, half the tiles and softmax of a whole
-// item; ROWS where those products are not built or allowed.
-extern "C" int paged_prefill_amx_item_rows() {
-#if defined(PAGELLM_HAS_AMX)
-  if (PP_VECTOR_AMX && ROWS == 32 && amx_permitted()) return 16;
-#endif
-  return ROWS;
+// Query rows of the smallest work item for calls of these shapes (dtype and cache codes as
+// paged_prefill_attention's): HALF_ROWS where the vector path's products run on AMX tiles (an
+// item of so few rows computes half of them), else ROWS: fewer rows cost as much as this many.
+extern "C" int paged_prefill_smallest_item_rows(int dtype_code, int kv_code, int head_dim,
+                                                 int block_size, int allow_amx) {
+  return vector_amx_applies(dtype_code, kv_code, head_dim, block_size, allow_amx) ? HALF_ROWS
+                                                                                  : ROWS;
 }
 
 // Whether this build and process can take the AMX path (bf16 calls then may).

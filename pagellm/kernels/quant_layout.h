@@ -61,6 +61,29 @@ struct Layout {
   }
 };
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+inline __mmask16 group_mask16(const Layout& L, int g) {
+  return static_cast<__mmask16>((1u << (L.groups() - g < 16 ? L.groups() - g : 16)) - 1);
+}
+
+// 16 group values (scales or offsets: fp16 or fp32) of row n from group g as floats, zeros past
+// the row's groups.
+inline __m512 group_values16(const Layout& L, const void* p, int n, int g) {
+  const int64_t i = static_cast<int64_t>(n) * L.groups() + g;
+  const __mmask16 m = group_mask16(L, g);
+  if (L.scale_half)
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(p) + i));
+  return _mm512_maskz_loadu_ps(m, static_cast<const float*>(p) + i);
+}
+
+// The zero points of row n's groups [g, g + 16) as floats (the constant where there are none).
+inline __m512 group_zeros16(const Layout& L, int n, int g) {
+  if (!L.zeros) return _mm512_set1_ps(static_cast<float>(L.zero_const));
+  const int64_t i = static_cast<int64_t>(n) * L.groups() + g;
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(group_mask16(L, g), L.zeros + i)));
+}
+#endif
+
 // Input c of a 4-bit row (blocks of 32 in 16 bytes: j low, j + 16 high).
 inline int nibble(const uint8_t* row, int c) {
   return (row[(c >> 5) * 16 + (c & 15)] >> ((c & 16) ? 4 : 0)) & 15;

@@ -29,7 +29,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include <immintrin.h>
@@ -78,57 +77,74 @@ inline __m512i row_chunk(const uint8_t* row, int64_t row_bytes, int c) {
   return _mm512_maskz_loadu_epi8(m, row + static_cast<int64_t>(c) * 64);
 }
 
-// 16 group values (fp16 or fp32) of row n from group g, zeros past the row's groups.
-inline __m512 row_group_values(const Layout& L, const void* p, int n, int g) {
-  const int64_t i = static_cast<int64_t>(n) * L.groups() + g;
-  const __mmask16 m = static_cast<__mmask16>((1u << std::min(16, L.groups() - g)) - 1);
-  if (L.scale_half)
-    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(p) + i));
-  return _mm512_maskz_loadu_ps(m, static_cast<const float*>(p) + i);
-}
-
 // Scales of row n's groups [g, g + 16) and their corrections offset - (zero + 16) * scale
 // (zeros past the row's groups).
 inline void row_group_consts(const Layout& L, int n, int g, __m512& s, __m512& cv) {
-  s = row_group_values(L, L.scales, n, g);
-  const __m512 off = L.offsets ? row_group_values(L, L.offsets, n, g) : _mm512_setzero_ps();
-  __m512 zero = _mm512_set1_ps(static_cast<float>(L.zero_const));
-  if (L.zeros) {
-    const __mmask16 m = static_cast<__mmask16>((1u << std::min(16, L.groups() - g)) - 1);
-    const int64_t i = static_cast<int64_t>(n) * L.groups() + g;
-    zero = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, L.zeros + i)));
-  }
+  s = group_values16(L, L.scales, n, g);
+  const __m512 off = L.offsets ? group_values16(L, L.offsets, n, g) : _mm512_setzero_ps();
+  const __m512 zero = group_zeros16(L, n, g);
   cv = _mm512_fnmadd_ps(_mm512_add_ps(zero, _mm512_set1_ps(ROW_BIAS)), s, off);
 }
 
+// For code vector t, word w's input within its pair of 32-input blocks (row_input mod 64): the
+// index of a two-source word permute.
+struct RowOrderIndex {
+  alignas(64) uint16_t v[4][32];
+  constexpr RowOrderIndex() : v() {
+    for (int t = 0; t < 4; ++t)
+      for (int w = 0; w < 32; ++w) v[t][w] = static_cast<uint16_t>(row_input(t, w) % 64);
+  }
+};
+inline constexpr RowOrderIndex kRowOrder{};
+
+// A row of x (k inputs) in row order, [chunks][4][32], zeros past k: per chunk, code vector t's
+// words come eight from each 32-input block, two two-source permutes and a blend.
+inline void to_row_order(const uint16_t* x, int k, uint16_t* dst) {
+  for (int base = 0; base < k; base += ROW_CHUNK) {
+    __m512i v[4];
+    for (int j = 0; j < 4; ++j) {
+      const int left = std::max(0, std::min(32, k - base - 32 * j));
+      const __mmask32 m = left == 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
+      v[j] = _mm512_maskz_loadu_epi16(m, x + base + 32 * j);
+    }
+    for (int t = 0; t < 4; ++t) {
+      const __m512i idx = _mm512_load_si512(kRowOrder.v[t]);
+      const __m512i low = _mm512_permutex2var_epi16(v[0], idx, v[1]);   // words 0-15
+      const __m512i high = _mm512_permutex2var_epi16(v[2], idx, v[3]);  // words 16-31
+      _mm512_storeu_si512(dst + base + 32 * t, _mm512_mask_blend_epi16(0xFFFF0000u, low, high));
+    }
+  }
+}
+
 // A call's x: rows in row order [m][chunks][4][32] (zeros past k), their group sums
-// [m][groups + 16] (zeros past the last).
+// [m][groups + 16] (zeros past the last), in the calling thread's buffers (read by the OpenMP
+// threads during the call).
 struct RowCall {
   const Layout& L;
-  std::vector<uint16_t> xp;
-  std::vector<float> sums;
+  const uint16_t* xp;
+  const float* sums;
   int m, chunks, groups_stride;
 
   RowCall(const Layout& layout, const uint16_t* x, int rows)
       : L(layout), m(rows), chunks((layout.k + ROW_CHUNK - 1) / ROW_CHUNK),
         groups_stride(layout.groups() + 16) {
+    thread_local std::vector<uint16_t> xbuf;
+    thread_local std::vector<float> sbuf;
     const int k = L.k;
-    xp.assign(static_cast<size_t>(m) * chunks * ROW_CHUNK, 0);
-    sums.assign(static_cast<size_t>(m) * groups_stride, 0.f);
+    xbuf.resize(static_cast<size_t>(m) * chunks * ROW_CHUNK);
+    sbuf.assign(static_cast<size_t>(m) * groups_stride, 0.f);
     for (int i = 0; i < m; ++i) {
       const uint16_t* xi = x + static_cast<int64_t>(i) * k;
-      uint16_t* dst = xp.data() + static_cast<int64_t>(i) * chunks * ROW_CHUNK;
-      for (int base = 0; base < k; base += ROW_CHUNK)
-        for (int t = 0; t < 4; ++t)
-          for (int w = 0; w < 32; ++w)
-            if (base + row_input(t, w) < k) dst[base + t * 32 + w] = xi[base + row_input(t, w)];
+      to_row_order(xi, k, xbuf.data() + static_cast<int64_t>(i) * chunks * ROW_CHUNK);
       for (int g = 0; g < L.groups(); ++g)
         for (int c = g * L.group; c < (g + 1) * L.group; ++c)
-          sums[static_cast<size_t>(i) * groups_stride + g] += to_float(xi[c]);
+          sbuf[static_cast<size_t>(i) * groups_stride + g] += to_float(xi[c]);
     }
+    xp = xbuf.data();
+    sums = sbuf.data();
   }
-  const uint16_t* x_row(int i) const { return xp.data() + static_cast<int64_t>(i) * chunks * ROW_CHUNK; }
-  const float* sums_row(int i) const { return sums.data() + static_cast<int64_t>(i) * groups_stride; }
+  const uint16_t* x_row(int i) const { return xp + static_cast<int64_t>(i) * chunks * ROW_CHUNK; }
+  const float* sums_row(int i) const { return sums + static_cast<int64_t>(i) * groups_stride; }
 };
 
 // Row n's group scales and corrections into s and cv [groups + 16] (zeros past the last).

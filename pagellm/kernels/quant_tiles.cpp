@@ -61,27 +61,16 @@ struct RowConsts {
 
   void load(const Layout& L, int n) {
     const int groups = L.groups();
-    const int64_t first = static_cast<int64_t>(n) * groups;
     if (static_cast<int>(s.size()) < groups + 16) s.resize(groups + 16), z.resize(groups + 16), o.resize(groups + 16);
     for (int g = 0; g < groups; g += 16) {
-      const int count = std::min(16, groups - g);
-      const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
-      __m512 sv = values(L, L.scales, first + g, mask);
+      __m512 sv = group_values16(L, L.scales, n, g);
       if (L.fp8) sv = _mm512_mul_ps(sv, _mm512_set1_ps(FP8_SCALE));
-      const __m512 zv = L.zeros ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, L.zeros + first + g)))
-                                : _mm512_set1_ps(static_cast<float>(L.zero_const));
-      const __m512 ov = L.offsets ? values(L, L.offsets, first + g, mask) : _mm512_setzero_ps();
+      const __m512 ov = L.offsets ? group_values16(L, L.offsets, n, g) : _mm512_setzero_ps();
       _mm512_storeu_ps(s.data() + g, sv);
-      _mm512_storeu_ps(z.data() + g, zv);
+      _mm512_storeu_ps(z.data() + g, group_zeros16(L, n, g));
       _mm512_storeu_ps(o.data() + g, ov);
     }
   }
-
-  static __m512 values(const Layout& L, const void* p, int64_t i, __mmask16 mask) {
-    if (L.scale_half) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i));
-    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
-  }
-
 };
 
 // A row's constants where the decoders read them, and which group each 16 inputs are in.
