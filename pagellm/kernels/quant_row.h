@@ -15,10 +15,16 @@
 //
 // A product's dword lane p sums words 2p and 2p + 1, both of block p / 4: a group of 32 or 64
 // inputs keeps to its own lanes, so each lane is scaled by its group's scale; a group of 128 or
-// more sums unscaled and is scaled once.
-// Measured (Xeon, 30 layers of SmolLM2's four shapes, two threads, in turn with the register
-// path): Q4_1 1.22x at one and two rows of x, online int4 (groups of 64 and 128) 1.0x; a
-// one-stream step of the GGUF Q4_1 model ~1.2x faster.
+// more sums unscaled and is scaled once. A thread takes 16 rows of W at a time; each row's
+// accumulators start from its corrections, and the 16 rows' lanes are summed together at the
+// end (one transposing reduction, and one vector store of 16 outputs).
+// The CPU this was tuned on (a 2-core Xeon VM) runs about one 512-bit instruction a cycle, so
+// the count of vector instructions a chunk is the cost: four dot products, four shifts, four
+// vpternlogs and the group scaling. Measured (30 layers of SmolLM2's four shapes, two threads,
+// in turn with the register path): at one row Q4_1 1.22x and online int4 1.0x first; with the
+// 16-row blocks (per-row horizontal sums, prologue branches and repeated x loads gone) 1.1x
+// (groups of 128) to 1.5x (groups of 64) over that, and at two rows 1.13x (int4) / 1.38x (Q4_1)
+// the register path.
 // (AMX was tried: with one row of x a tile product leaves 15 of C's 16 columns idle, and on the
 // Xeon measured a 16-row tile load took ~7 ns and a product ~10, so decoded A tiles ran at the
 // register path's speed.)
@@ -29,6 +35,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include <immintrin.h>
@@ -47,8 +54,8 @@ constexpr int QR_BLOCK = 16;  // rows of W a thread takes at a time
 // Rows of x this path takes (more: quant_linear.cpp's register paths, which multiply fp32).
 // Each row of x costs its four dot products a chunk: at three or more rows that is more than
 // the register path's fp32 products of weights decoded once (Xeon, 30 layers of SmolLM2's
-// shapes: 0.63-0.91x at 3, 0.76-0.90x at 4, 0.74-0.88x at 8; at 2 rows 0.99x int4 g64/g128,
-// 1.17x Q4_1).
+// shapes, with the 16-row blocks: 0.88x int4 / 1.07x Q4_1 at 3, 0.83x / 1.0x at 4; at 2 rows
+// 1.13x / 1.38x).
 #ifndef QR_MAX_X
 #define QR_MAX_X 2
 #endif
@@ -157,121 +164,170 @@ inline void row_prologue(const Layout& L, int n, float* s, float* cv) {
   }
 }
 
-// sum_g cv_g * xsum_g: the zero points', offsets' and the decoder's 16's share of a dot product.
-inline float correction(const float* cv, const float* xsum, int groups) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int g = 0; g < groups; g += 16)
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(cv + g), _mm512_loadu_ps(xsum + g), acc);
-  return _mm512_reduce_add_ps(acc);
+// Lane sums of 16 vectors: lane j of the result sums v[j]'s lanes (45 shuffles and adds for the
+// 16 rows of a block, where a horizontal sum per row took about 8 each).
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int j = 0; j < 8; ++j)  // 128-bit lane q: v2j q0+q2, v2j+1 q0+q2, v2j q1+q3, v2j+1 q1+q3
+    a[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
+                         _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {  // 128-bit lane q: the sums over q of v4j .. v4j+3
+    const __m512d x = _mm512_castps_pd(a[2 * j]), y = _mm512_castps_pd(a[2 * j + 1]);
+    b[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
+                                  _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
+                                  _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
 }
 
-// sum (16 + q) x over a chunk, per lane: codes w, x's four vectors at xc.
-inline __m512 chunk_dot(const __m512i* w, const uint16_t* xc) {
-  const auto xv = [xc](int t) { return (__m512bh)_mm512_loadu_si512(xc + 32 * t); };
-  const __m512 lo = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w[0], xv(0)), (__m512bh)w[1], xv(1));
-  const __m512 hi = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w[2], xv(2)), (__m512bh)w[3], xv(3));
+// sum (16 + q) x over a chunk, per lane: codes w, x's four vectors xv.
+inline __m512 chunk_dot(const __m512i* w, const __m512bh* xv) {
+  const __m512 lo = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w[0], xv[0]), (__m512bh)w[1], xv[1]);
+  const __m512 hi = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w[2], xv[2]), (__m512bh)w[3], xv[3]);
   return _mm512_add_ps(lo, hi);
 }
 
-// out[i][r] = row n + r of W times x row x0 + i (M rows of x, R of W), less the corrections; s:
-// the rows' scales (stride apart). Each chunk of a row is decoded once for the M rows of x.
-template <int M, int R>
-void dot_rows(const RowCall& call, int x0, int n, const float* s, int stride, float* out) {
+// Lane p of a chunk's products sums inputs of block p / 4: its group, counted from the chunk's
+// first, is p / 4 for groups of 32 inputs, p / 8 for 64.
+template <int G>
+inline __m512i lane_groups() {
+  if constexpr (G == 32) return _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  return _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+}
+
+// acc[i * QR_BLOCK + r] += row n + r of W times x row x0 + i, per lane (M rows of x, R of W); s:
+// the rows' scales (stride apart). G: 32 or 64, groups within a chunk, each lane scaled by its
+// own group's scale every chunk; 0, groups of whole chunks, their sums scaled once a group. Each
+// chunk of W is decoded once for the M rows of x, each chunk of x loaded once for the R rows of W.
+template <int M, int R, int G>
+void dot_rows(const RowCall& call, int x0, int n, const float* s, int stride, __m512* a) {
   const Layout& L = call.L;
+  const int64_t row_bytes = L.row_bytes();
   const uint8_t* rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = L.q + (n + r) * L.row_bytes();
+  for (int r = 0; r < R; ++r) rows[r] = L.q + (n + r) * row_bytes;
   const uint16_t* xs[M];
   for (int i = 0; i < M; ++i) xs[i] = call.x_row(x0 + i);
-  // lane p's group within its chunk: p / 4 (groups of 32 inputs) or p / 8 (64)
-  const __m512i lane_group = L.group == 32
-                                 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
-                                 : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  const int per_group = L.group / ROW_CHUNK;  // chunks a group (0: groups of 32 or 64)
   __m512 acc[M][R], part[M][R];
   for (int i = 0; i < M; ++i)
-    for (int r = 0; r < R; ++r) acc[i][r] = part[i][r] = _mm512_setzero_ps();
-  for (int c = 0; c < call.chunks; ++c) {
+    for (int r = 0; r < R; ++r) acc[i][r] = a[i * QR_BLOCK + r], part[i][r] = _mm512_setzero_ps();
+  const int whole = L.k / ROW_CHUNK;  // the last chunk may be part of one (G 32 or 64 only)
+  const __mmask64 tail_mask = (__mmask64{1} << (row_bytes - whole * 64)) - 1;
+  const int per_group = G == 0 ? L.group / ROW_CHUNK : 1;
+  int left_in_group = per_group;
+  auto chunk = [&](int c, bool tail) {
+    __m512bh xv[M][4];
+    for (int i = 0; i < M; ++i)
+      for (int t = 0; t < 4; ++t)
+        xv[i][t] = (__m512bh)_mm512_loadu_si512(xs[i] + c * ROW_CHUNK + 32 * t);
     for (int r = 0; r < R; ++r) {
-      const __m512i b = row_chunk(rows[r], L.row_bytes(), c);
+      const uint8_t* p = rows[r] + static_cast<int64_t>(c) * 64;
+      const __m512i b = tail ? _mm512_maskz_loadu_epi8(tail_mask, p) : _mm512_loadu_si512(p);
       const __m512i w[4] = {row_codes<0>(b), row_codes<1>(b), row_codes<2>(b), row_codes<3>(b)};
-      if (per_group == 0) {
-        const __m512 sv = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(s + r * stride + c * (ROW_CHUNK / L.group)));
-        for (int i = 0; i < M; ++i) acc[i][r] = _mm512_fmadd_ps(chunk_dot(w, xs[i] + c * ROW_CHUNK), sv, acc[i][r]);
+      if constexpr (G != 0) {
+        const __m512 sv = _mm512_permutexvar_ps(lane_groups<G>(), _mm512_loadu_ps(s + r * stride + c * (ROW_CHUNK / G)));
+        for (int i = 0; i < M; ++i) acc[i][r] = _mm512_fmadd_ps(chunk_dot(w, xv[i]), sv, acc[i][r]);
       } else {
-        for (int i = 0; i < M; ++i) part[i][r] = _mm512_add_ps(part[i][r], chunk_dot(w, xs[i] + c * ROW_CHUNK));
+        for (int i = 0; i < M; ++i) part[i][r] = _mm512_add_ps(part[i][r], chunk_dot(w, xv[i]));
       }
     }
-    if (per_group > 0 && (c + 1) % per_group == 0) {  // a group's last chunk: scale its sums
-      const int g = c / per_group;
-      for (int r = 0; r < R; ++r) {
-        const __m512 sv = _mm512_set1_ps(s[r * stride + g]);
-        for (int i = 0; i < M; ++i) {
-          acc[i][r] = _mm512_fmadd_ps(part[i][r], sv, acc[i][r]);
-          part[i][r] = _mm512_setzero_ps();
+    if constexpr (G == 0) {
+      if (--left_in_group == 0) {  // a group's last chunk: scale its sums
+        const int g = c / per_group;
+        for (int r = 0; r < R; ++r) {
+          const __m512 sv = _mm512_set1_ps(s[r * stride + g]);
+          for (int i = 0; i < M; ++i) {
+            acc[i][r] = _mm512_fmadd_ps(part[i][r], sv, acc[i][r]);
+            part[i][r] = _mm512_setzero_ps();
+          }
         }
+        left_in_group = per_group;
       }
     }
-  }
+  };
+  for (int c = 0; c < whole; ++c) chunk(c, false);
+  if (whole < call.chunks) chunk(whole, true);
   for (int i = 0; i < M; ++i)
-    for (int r = 0; r < R; ++r) out[i * R + r] = _mm512_reduce_add_ps(acc[i][r]);
+    for (int r = 0; r < R; ++r) a[i * QR_BLOCK + r] = acc[i][r];
 }
 
-// M rows of x from x0 against R rows of W from n (R: QR_ROWS, or one at a time at the end).
-template <int M>
-void dot_block(const RowCall& call, int x0, int n, int rows, const float* s, int stride,
-               float* res) {
-  constexpr int R = M == 1 ? QR_ROWS : 2;  // accumulators: M x R x 2 registers
-  float out[M * R];
-  for (int r0 = 0; r0 < rows; r0 += R) {
-    const int nr = std::min(R, rows - r0);
-    if (nr == R) {
-      dot_rows<M, R>(call, x0, n + r0, s + r0 * stride, stride, out);
-      for (int i = 0; i < M; ++i)
-        for (int r = 0; r < R; ++r) res[i * QR_BLOCK + r0 + r] = out[i * R + r];
-    } else {
-      for (int r = 0; r < nr; ++r) {
-        dot_rows<M, 1>(call, x0, n + r0 + r, s + (r0 + r) * stride, stride, out);
-        for (int i = 0; i < M; ++i) res[i * QR_BLOCK + r0 + r] = out[i];
-      }
-    }
-  }
-}
-
-// Rows [n0, n0 + rows) of W (rows <= QR_BLOCK) against every row of x: res[m][QR_BLOCK].
-inline void dot_range(const RowCall& call, int n0, int rows, float* res) {
+// Rows [n0, n0 + rows) of W (rows <= QR_BLOCK) against every row of x: res[m][QR_BLOCK], each
+// row's accumulators starting from its corrections (cv x the groups' x sums: the lanes sum to
+// the zero points', offsets' and the decoder's 16's share) and summed across lanes 16 rows at
+// once.
+template <int G>
+void dot_range(const RowCall& call, int n0, int rows, float* res) {
   const int stride = call.groups_stride;
   thread_local std::vector<float> consts;
   if (consts.size() < static_cast<size_t>(2 * QR_BLOCK) * stride) consts.resize(static_cast<size_t>(2 * QR_BLOCK) * stride);
   float* s = consts.data();
   float* cv = s + QR_BLOCK * stride;
   for (int r = 0; r < rows; ++r) row_prologue(call.L, n0 + r, s + r * stride, cv + r * stride);
-  int x0 = 0;
-  for (; x0 + 2 <= call.m; x0 += 2) dot_block<2>(call, x0, n0, rows, s, stride, res + x0 * QR_BLOCK);
-  if (x0 < call.m) dot_block<1>(call, x0, n0, rows, s, stride, res + x0 * QR_BLOCK);
-  for (int i = 0; i < call.m; ++i)
-    for (int r = 0; r < rows; ++r)
-      res[i * QR_BLOCK + r] += correction(cv + r * stride, call.sums_row(i), call.L.groups());
+  __m512 acc[QR_MAX_X * QR_BLOCK];
+  for (int i = 0; i < call.m; ++i) {
+    const float* xsum = call.sums_row(i);
+    for (int r = 0; r < QR_BLOCK; ++r) {
+      __m512 v = _mm512_setzero_ps();
+      for (int g = 0; r < rows && g < call.L.groups(); g += 16)
+        v = _mm512_fmadd_ps(_mm512_loadu_ps(cv + r * stride + g), _mm512_loadu_ps(xsum + g), v);
+      acc[i * QR_BLOCK + r] = v;
+    }
+  }
+  constexpr int R = QR_ROWS;
+  int r0 = 0;
+  auto rows_of_x = [&](auto rows_of_w) {
+    constexpr int RW = decltype(rows_of_w)::value;
+    int x0 = 0;
+    for (; x0 + 2 <= call.m; x0 += 2)
+      dot_rows<2, RW, G>(call, x0, n0 + r0, s + r0 * stride, stride, acc + x0 * QR_BLOCK + r0);
+    if (x0 < call.m)
+      dot_rows<1, RW, G>(call, x0, n0 + r0, s + r0 * stride, stride, acc + x0 * QR_BLOCK + r0);
+  };
+  for (; r0 + R <= rows; r0 += R) rows_of_x(std::integral_constant<int, R>{});
+  for (; r0 < rows; ++r0) rows_of_x(std::integral_constant<int, 1>{});
+  for (int i = 0; i < call.m; ++i) _mm512_storeu_ps(res + i * QR_BLOCK, sum_lanes16(acc + i * QR_BLOCK));
+}
+
+// 16 values (mask: those that exist) as fp32, and back.
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline void store16(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(uint16_t* p, __mmask16 m, __m512 v) {  // round to nearest even
+  _mm256_mask_storeu_epi16(p, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 }
 
 // y = x W^T (+ bias) for m rows of bf16 x, output features split over the threads.
+template <int G, typename T>
+void bf16_rows_linear_g(const RowCall& call, const T* bias, T* out, int n_out, int threads) {
+  const int m = call.m;
+  const int blocks = (n_out + QR_BLOCK - 1) / QR_BLOCK;
+#pragma omp parallel num_threads(threads)
+  {
+    alignas(64) float res[QR_MAX_X * QR_BLOCK];
+#pragma omp for schedule(static)
+    for (int blk = 0; blk < blocks; ++blk) {
+      const int n0 = blk * QR_BLOCK, rows = std::min(QR_BLOCK, n_out - n0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
+      dot_range<G>(call, n0, rows, res);
+      const __m512 b = bias ? load16(bias + n0, mask) : _mm512_setzero_ps();
+      for (int i = 0; i < m; ++i)
+        store16(out + static_cast<int64_t>(i) * n_out + n0, mask,
+                _mm512_add_ps(_mm512_load_ps(res + i * QR_BLOCK), b));
+    }
+  }
+}
+
 template <typename T>
 void bf16_rows_linear(const Layout& L, const uint16_t* x, const T* bias, T* out, int m,
                       int n_out, int threads) {
   const RowCall call(L, x, m);
-  const int blocks = (n_out + QR_BLOCK - 1) / QR_BLOCK;
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> res(static_cast<size_t>(m) * QR_BLOCK);
-#pragma omp for schedule(static)
-    for (int blk = 0; blk < blocks; ++blk) {
-      const int n0 = blk * QR_BLOCK, rows = std::min(QR_BLOCK, n_out - n0);
-      dot_range(call, n0, rows, res.data());
-      for (int i = 0; i < m; ++i)
-        for (int r = 0; r < rows; ++r)
-          store(out + static_cast<int64_t>(i) * n_out + n0 + r,
-                res[i * QR_BLOCK + r] + (bias ? to_float(bias[n0 + r]) : 0.f));
-    }
-  }
+  if (L.group == 32) return bf16_rows_linear_g<32>(call, bias, out, n_out, threads);
+  if (L.group == 64) return bf16_rows_linear_g<64>(call, bias, out, n_out, threads);
+  bf16_rows_linear_g<0>(call, bias, out, n_out, threads);
 }
 
 }  // namespace pagellm
