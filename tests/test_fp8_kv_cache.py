@@ -234,15 +234,19 @@ def test_the_quantization_bench_measures_fp8_formats(tiny_models, tmp_path):
     args = parser.parse_args(
         ["quantization", "--model", str(tiny_models("llama")), "--formats",
          "fp32,fp8,fp32+kv_fp8,bf16+kv_fp8_e5m2", "--num-chats", "4", "--skip-chats", "0",
-         "--agree-tokens", "6", "--batch-sizes", "1,3", "--input-len", "8", "--output-len", "4",
+         "--agree-tokens", "6", "--agree-batch-size", "3", "--batch-sizes", "1,3", "--input-len", "8", "--output-len", "4",
          "--dataset-path", str(data), "--kv-cache-memory", "0.02", "--kv-budget-gib", "0.001",
          "--max-model-len", "512", "--checkpoints", f"ckpt={tiny_models('llama')}",
          "--rounds", "2", "--output-json", str(out)]
     )  # fmt: skip
     assert args.func(args) == 0
-    formats = json.loads(out.read_text())["formats"]
+    report = json.loads(out.read_text())
+    formats = report["formats"]
     assert set(formats) == {"fp32", "fp8", "fp32+kv_fp8", "bf16+kv_fp8_e5m2", "ckpt"}
     assert formats["ckpt"]["perplexity"] == pytest.approx(formats["fp32"]["perplexity"])
+    # the chats decoded three and one at a time, each against the fp32 run's own
+    assert report["agree_batch_size"] == 3
+    assert formats["ckpt"]["identical_chats"] == 1.0
     assert formats["fp32+kv_fp8"]["kv_blocks"] == pytest.approx(
         4 * formats["fp32"]["kv_blocks"], abs=4
     )

@@ -97,7 +97,7 @@ def test_each_route_takes_its_rows_and_computes_its_reference(path):
     kernel = load_quant_linear_kernel(tiles_path=path)
     assert kernel is not None and kernel.tiles is not None and kernel.tiles.path == path
     lo, hi = kernel.tiles_min_rows, kernel.tiles_max_rows
-    w = _weight("q4_0", 64, 128)
+    w = _weight("q8_0", 64, 128)  # 8-bit: no int8 products of x first (4-bit below)
     exact, rounded = w.dequantize(), w.dequantize().bfloat16().float()
     above = "panels" if kernel.bf16_panels else None
     for rows, route in ((lo - 1, None), (lo, "tiles"), (hi, "tiles"), (hi + 1, above)):
@@ -114,6 +114,16 @@ def test_each_route_takes_its_rows_and_computes_its_reference(path):
     # inputs not a multiple of 32 stay on the other paths
     odd = quantize(torch.randn(64, 48), QuantFormat("q8_16", bits=8, group_size=16))
     assert kernel.bf16_route(torch.randn(lo, 48).bfloat16(), odd) is None
+    # 4-bit weights: x quantized to int8 up to int8_rows rows, then the tiles
+    w4 = _weight("q4_0", 64, 128)
+    for rows in (1, kernel.int8_rows, kernel.int8_rows + 1, max(lo, kernel.int8_rows + 1)):
+        x = torch.randn(rows, 128).bfloat16()
+        quantized = 0 < rows <= kernel.int8_rows
+        assert kernel.quantizes_x(x, w4) == quantized, rows
+        if quantized:
+            assert kernel.bf16_route(x, w4) is None
+        elif rows >= lo:
+            assert kernel.bf16_route(x, w4) == "tiles"
 
 
 @pytest.mark.parametrize("name", sorted(TILE_FORMATS))

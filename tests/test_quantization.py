@@ -56,6 +56,26 @@ def kernel(request):
     return k
 
 
+def _int8_per_group(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as quant_row.h multiplies it: int8 per group of inputs, symmetric, scale max|x| / 127,
+    rounded to nearest even."""
+    g = x.float().reshape(x.shape[0], -1, group)
+    top = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, torch.full_like(top, 127.0) / top, 0.0)  # (127 / top: 1 / top * 127)
+    return (torch.round(g * inv) * (top / 127.0)).reshape(x.shape)
+
+
+def _int8_x_product(x: torch.Tensor, w) -> torch.Tensor:
+    """x W^T as the kernel computes it where it quantizes x: the codes' share against x in int8,
+    the offsets' share against x itself (float64)."""
+    group = w.fmt.group(x.shape[1])
+    dense = w.dequantize().double()
+    offsets = torch.zeros_like(dense)
+    if w.offsets is not None:
+        offsets = w.offsets.double().repeat_interleave(group, dim=1)
+    return _int8_per_group(x, group).double() @ (dense - offsets).t() + x.double() @ offsets.t()
+
+
 @pytest.mark.parametrize("name", sorted(FORMATS))
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 32, 33, 300])
 def test_kernel_matches_the_dequantized_matmul(kernel, name, rows):
@@ -69,11 +89,13 @@ def test_kernel_matches_the_dequantized_matmul(kernel, name, rows):
     if kernel.rounds_weights_to_bf16(xb, w):  # bf16 steps of many rows: bf16 weights
         wb = wb.bfloat16().float()
     ref_b = (xb.float() @ wb.t()).bfloat16()
+    if kernel.quantizes_x(xb, w):  # a few rows against 4-bit codes: x in int8
+        ref_b = _int8_x_product(xb, w).bfloat16()
     torch.testing.assert_close(kernel(xb, w), ref_b, rtol=2e-2, atol=5e-2)
 
 
 ONE_ROW_FORMATS = {
-    # the bf16 few-rows path (quant_row.h) scales groups of 32 and 64 per lane, larger ones once
+    # the few-rows int8 path (quant_row.h) scales groups of 32 and 64 per lane, larger ones once
     "q4_1_g32": FORMATS["q4_1"],
     "q4_0_g32": FORMATS["q4_0"],
     "int4_g64": FORMATS["int4"],
@@ -84,21 +106,30 @@ ONE_ROW_FORMATS = {
 
 @pytest.mark.parametrize("name", sorted(ONE_ROW_FORMATS))
 @pytest.mark.parametrize("k", [256, 320, 768])
-@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 6])
 def test_few_bf16_rows_match_the_dequantized_matmul(kernel, name, k, rows):
-    """One to three rows of bf16 x (steps of a few streams): within one bf16 rounding of the
-    exact product, for weight rows that end mid-chunk (320: two and a half 128-input chunks) and
-    a count of them that leaves a remainder of every row block."""
+    """A decode step's few rows of bf16 x. Where the kernel quantizes x (int8 per weight group,
+    integer products; the offsets' share from x itself): within one bf16 rounding of that
+    product, and near the exact one; elsewhere within one bf16 rounding of the exact product.
+    Weight rows that end mid-chunk (320: two and a half 128-input chunks) and a count of them
+    that leaves a remainder of every row block; zero-mean data, so that x's rounding shows."""
     fmt = ONE_ROW_FORMATS[name]
     if k % fmt.group_size:
         pytest.skip("the group does not divide the inputs")
     torch.manual_seed(k + rows)
-    # offsets and zeros far from 0 make the part that the decoder's bias cancels large
-    w = quantize(torch.randn(37, k) + 0.5, fmt)
-    x = (torch.randn(rows, k) + 1.0).bfloat16()
-    exact = x.double() @ w.dequantize().double().t()
+    w = quantize(torch.randn(37, k), fmt)
+    x = torch.randn(rows, k).bfloat16()
+    dense = w.dequantize().double()
+    exact = x.double() @ dense.t()
     got = kernel(x, w).double()
-    torch.testing.assert_close(got, exact, rtol=8e-3, atol=1e-3)
+    if kernel.quantizes_x(x, w):
+        ref = _int8_x_product(x, w)
+        torch.testing.assert_close(got, ref, rtol=4e-3, atol=1e-3 * ref.abs().max().item())
+        assert (got - exact).abs().max() <= 3e-2 * exact.abs().max()
+        return
+    if kernel.rounds_weights_to_bf16(x, w):
+        exact = x.double() @ dense.bfloat16().double().t()
+    torch.testing.assert_close(got, exact, rtol=8e-3, atol=1e-3 * exact.abs().max().item())
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))

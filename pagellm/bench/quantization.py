@@ -4,7 +4,9 @@ Quality (``--what quality``): perplexity of held-out ShareGPT replies (teacher-f
 the engine's own model and kernels, the reply's tokens scored after its chat-templated prompt),
 and greedy agreement with the float32 model over ``--agree-tokens`` tokens of each chat
 (the share of chats whose first N tokens are identical, and the mean length of the common
-start). Speed (``--what speed``): decode ms/step at each batch size (random prompts, greedy, EOS
+start), the chats decoded ``--agree-batch-size`` at a time (default: all at once; 1 measures
+the decode steps of a single stream, which take other kernels than a batch of 64: e.g. a few
+bf16 rows against 4-bit weights are multiplied with x in int8). Speed (``--what speed``): decode ms/step at each batch size (random prompts, greedy, EOS
 ignored; only steps that decode every sequence are timed) and output tok/s, plus weight bytes.
 
 Formats are ``fp32`` / ``bf16`` (dense), ``int8`` / ``int4`` / ``fp8`` (quantized at load from
@@ -66,6 +68,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-reply-tokens", type=int, default=256)
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="a prompt's last N tokens")
     p.add_argument("--agree-tokens", type=int, default=48)
+    p.add_argument("--agree-batch-size", type=int, default=0,
+                   help="chats decoded at a time for the agreement (0: all at once)")  # fmt: skip
     p.add_argument("--batch-sizes", default="1,8,32,256")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=32)
@@ -105,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         "environment": env,
         "model": str(source),
         "agree_tokens": args.agree_tokens,
+        "agree_batch_size": args.agree_batch_size or args.num_chats,
         "formats": {},
     }
     chats = _held_out_chats(args) if "quality" in what else []
@@ -249,8 +254,12 @@ def _quality(llm, chats, args, reference_tokens) -> dict[str, Any]:
         n, s = _reply_nll(llm, prompt_ids, reply_ids)
         nll, count = nll + s, count + n
     params = SamplingParams(temperature=0, max_tokens=args.agree_tokens, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    at_once = args.agree_batch_size or len(prompts)
+    tokens = [
+        list(o.outputs[0].token_ids)
+        for i in range(0, len(prompts), at_once)
+        for o in llm.generate(prompts[i : i + at_once], params, use_tqdm=False)
+    ]
     result: dict[str, Any] = {"perplexity": math.exp(nll / count), "scored_tokens": count}
     result["_tokens"] = tokens
     result["_lengths"] = lengths
@@ -362,7 +371,10 @@ def render(results: dict[str, Any]) -> str:
         agree = results.get("agree_tokens", 48)
         headers = ["format", "perplexity", "vs bf16", f"identical {agree}", "common toks", "MiB",
                    "KV blocks", "ShareGPT seqs at once"]  # fmt: skip
+        at_once = results.get("agree_batch_size")
         lines += ["", rep.format_table(headers, rows)]
+        if at_once:
+            lines.append(f"(greedy agreement: chats decoded {at_once} at a time)")
     if any("speed" in f for f in formats.values()):
         sizes = next(iter(f["speed"] for f in formats.values() if "speed" in f)).keys()
         headers = ["format", *[f"ms/step @{b}" for b in sizes], *[f"tok/s @{b}" for b in sizes]]

@@ -21,7 +21,8 @@
 // decoded in registers (never written out), RW output rows at a time against XB rows of x, and
 // the output features are split over torch's OpenMP pool: each thread streams its rows of W
 // once for every token, so a step reads 1 or 0.5 bytes per weight instead of 4.
-// One or two rows of bf16 x against 4-bit codes go to quant_row.h where the CPU has AVX-512 BF16.
+// Up to QR_MAX_X rows of bf16 x against 4-bit codes go to quant_row.h where the CPU has AVX-512
+// VNNI: x quantized to int8 per weight group, integer dot products.
 // quant_dequantize: rows [row0, row0 + rows) of W into fp32, for the large-batch path, which
 // decodes a panel that fits in cache and hands it to torch's GEMM (the decode is paid once for
 // all the rows of x), and for the tests' comparison with each format's reference.
@@ -464,7 +465,7 @@ void run_single(const Layout& L, const float* xf, const T* bias, T* out, int n_o
 
 template <typename T, Code C>
 void run(const Layout& L, const T* x, const T* bias, T* out, int m, int n_out, int threads) {
-#if defined(QR_BF16_ROW)
+#if defined(QR_INT8_ROW)
   if constexpr (std::is_same_v<T, uint16_t> && C == INT4) {
     if (m <= QR_MAX_X && row_applies(L)) {
       bf16_rows_linear(L, x, bias, out, m, n_out, threads);
@@ -621,3 +622,13 @@ extern "C" int quant_dequantize(const uint8_t* q, const void* scales, const void
 #pragma GCC pop_options
 
 extern "C" int quant_linear_max_rows() { return MAX_ROWS; }
+
+// The most rows of bf16 x that quant_row.h takes (x quantized to int8 per weight group), 0
+// where it is not built.
+extern "C" int quant_linear_int8_rows() {
+#if defined(QR_INT8_ROW)
+  return QR_MAX_X;
+#else
+  return 0;
+#endif
+}

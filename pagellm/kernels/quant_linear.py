@@ -1,8 +1,9 @@
 """Python face of the quantized linear kernels: integer and FP8 E4M3 codes in the stored form of
-``pagellm.quant.formats``, decoded in registers for a few rows (quant_linear.cpp; one or two bf16
-rows against 4-bit codes by bf16 dot products where the CPU has them, quant_row.h) and, for bf16
-activations on a CPU with native bf16 products, decoded to bf16 once per call and multiplied on
-AMX tiles or AVX-512 BF16 dot products for more (quant_tiles.cpp)."""
+``pagellm.quant.formats``, decoded in registers for a few rows (quant_linear.cpp; up to
+``int8_rows`` bf16 rows against 4-bit codes by integer dot products where the CPU has AVX-512
+VNNI, x quantized to int8 per weight group, quant_row.h) and, for bf16 activations on a CPU with
+native bf16 products, decoded to bf16 once per call and multiplied on AMX tiles or AVX-512 BF16
+dot products for more (quant_tiles.cpp)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ TILE_ROWS = {
     1: (16, 128, False),
     0: (1 << 30, 0, False),
 }
-"""path -> (tiles_min_rows, tiles_max_rows, bf16 panels above that)."""
+"""path -> (tiles_min_rows, tiles_max_rows, bf16 panels above that). 4-bit weights of a supported
+group take quant_row.h's int8 products first, up to ``int8_rows`` rows (on AMX 1.06-1.21x the
+tiles at 5-6 rows, 0.79-0.89x at 8)."""
 PANEL_BYTES = 8 << 20
 """The large-batch path decodes this much of a weight (fp32) at a time: a panel that stays in
 cache while torch's GEMM reads it."""
@@ -132,6 +135,8 @@ class QuantLinearKernel:
         self._dequant.restype = i
         self._dequant.argtypes = [ptr, ptr, ptr, ptr, i, i, i, i, i, i, i, i, ptr, i]
         self.max_rows = int(lib.quant_linear_max_rows())
+        self.int8_rows = int(lib.quant_linear_int8_rows())
+        """The most rows of bf16 x that go to 4-bit weights as int8 (0: none here)."""
         self._panel = torch.empty(0)
         self.tiles = tiles
         self.int8 = int8
@@ -163,6 +168,21 @@ class QuantLinearKernel:
         )
         return (self(codes.float(), w) * scales).to(x.dtype)
 
+    def quantizes_x(self, x: torch.Tensor, w: QuantizedWeight) -> bool:
+        """Whether this call multiplies bf16 x quantized to int8 (symmetric, per weight group,
+        max|x| / 127, rounded to nearest even) by W's 4-bit codes as integers: a decode step's
+        few rows, as vLLM's CPU AWQ / GPTQ path (IPEX's WoqLowpMode.INT8) and llama.cpp's
+        Q8_0 activations do."""
+        fmt = w.fmt
+        group = fmt.group(w.shape[1])
+        return (
+            x.dtype == torch.bfloat16
+            and x.shape[0] <= self.int8_rows
+            and fmt.bits == 4
+            and not fmt.fp8
+            and (group in (32, 64) or group % 128 == 0)
+        )
+
     def rounds_weights_to_bf16(self, x: torch.Tensor, w: QuantizedWeight) -> bool:
         """Whether this call multiplies x by W rounded to bf16 (else by W exactly)."""
         route = self.bf16_route(x, w)
@@ -172,6 +192,8 @@ class QuantLinearKernel:
         """``"tiles"`` or ``"panels"`` where this call multiplies W rounded to bf16 (bf16 x on a
         CPU with bf16 products), None where it takes the exact-weight paths."""
         if self.tiles is None or x.dtype != torch.bfloat16 or not self.tiles.supports(w):
+            return None
+        if self.quantizes_x(x, w):
             return None
         m = x.shape[0]
         if m < self.tiles_min_rows:
