@@ -18,6 +18,7 @@
 #include "amx_common.h"
 #include "amx_pass.h"
 #include "tile_transpose.h"
+#include "packed_call.h"
 
 namespace {
 
@@ -131,3 +132,6 @@ extern "C" int bf16_tiles_linear(const uint16_t* x, const uint16_t* w, const flo
   return 6;
 #endif
 }
+
+// Entries for a captured step's list of calls (packed_call.h).
+PAGELLM_PACKED(bf16_tiles_linear)

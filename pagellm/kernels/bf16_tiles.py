@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable
 
 import torch
 
 from pagellm.kernels.cpu_build import build_library
+from pagellm.kernels.packed import BoundCall
 
 MAX_ROWS = 32
 """Rows of x up to which the kernel beats oneDNN's packed bf16 GEMM (measured on a Xeon with
@@ -19,6 +19,7 @@ class Bf16TilesKernel:
     """``out = x @ weight.T + bias`` for bf16 x and weight, ``weight`` as stored."""
 
     def __init__(self, lib: ctypes.CDLL, max_rows: int = MAX_ROWS) -> None:
+        self._lib = lib
         fn = lib.bf16_tiles_linear
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
@@ -56,8 +57,8 @@ class Bf16TilesKernel:
         decode steps); it returns the kernel's status (0: done, else an error code)."""
         assert self.applies(x, weight) and x.is_contiguous() and out.is_contiguous()
         bias32 = _fp32(bias)
-        call = functools.partial(self._fn, *self._args(x, weight, bias32, out))
-        call.keepalive = bias32  # type: ignore[attr-defined]  # the fp32 bias lives with the call
+        call = BoundCall(self._lib, self._fn, self._args(x, weight, bias32, out))
+        call.keepalive = bias32  # the fp32 bias lives with the call
         return call
 
     @staticmethod

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "cpu_common.h"
+#include "packed_call.h"
 
 namespace {
 
@@ -340,5 +341,20 @@ extern "C" int decode_argmax_rows(int dtype_code, const void* x, int rows, int n
 extern "C" int decode_apply_bitmask(float* logits, int n, const int32_t* mask, int words) {
   if (n < 1 || words < 0) return 1;
   apply_bitmask_row(logits, n, reinterpret_cast<const uint32_t*>(mask), words);
+  return 0;
+}
+
+// Entries for a captured step's list of calls (packed_call.h).
+PAGELLM_PACKED(decode_add_rms_norm)
+PAGELLM_PACKED(decode_rope_kv_write)
+PAGELLM_PACKED(decode_silu_mul)
+
+// A captured step's calls in order: fns[i] a *_packed entry (of any kernel library), words[i] its
+// arguments; stops at and returns the first non-zero status.
+extern "C" int decode_run_calls(int n, void* const* fns, const int64_t* const* words) {
+  for (int i = 0; i < n; ++i) {
+    const int rc = reinterpret_cast<int (*)(const int64_t*)>(fns[i])(words[i]);
+    if (rc != 0) return rc;
+  }
   return 0;
 }

@@ -1,15 +1,18 @@
 """Python face of the fused decode-step glue (decode_ops.cpp): residual add + RMSNorm, rotary +
 K/V cache write, SiLU-and-multiply; the greedy argmax over logits rows and a grammar's token
 bitmask applied to a logits row. The ctypes functions are exposed as they are, so that a
-captured step (``pagellm.runner.captured``) binds their arguments once and calls them bare."""
+captured step (``pagellm.runner.captured``) binds their arguments once (``bound``) and runs its
+list of kernel calls from C (``run_calls``, see ``pagellm.kernels.packed``)."""
 
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
 from pagellm.kernels.cpu_build import build_library
+from pagellm.kernels.packed import BoundCall
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -17,6 +20,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 class DecodeOps:
     def __init__(self, lib: ctypes.CDLL) -> None:
         ptr, i, f, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
+        self.lib = lib
         self.add_rms_norm = lib.decode_add_rms_norm
         self.add_rms_norm.restype = i
         self.add_rms_norm.argtypes = [i, ptr, ptr, ptr, ptr, i, i, f, i]
@@ -32,6 +36,14 @@ class DecodeOps:
         self._apply_bitmask = lib.decode_apply_bitmask
         self._apply_bitmask.restype = i
         self._apply_bitmask.argtypes = [ptr, i, ptr, i]
+        self.run_calls = lib.decode_run_calls
+        """Bound calls in order from C: (n, entries, their packed arguments)."""
+        self.run_calls.restype = i
+        self.run_calls.argtypes = [i, ctypes.POINTER(ptr), ctypes.POINTER(ctypes.POINTER(i64))]
+
+    def bound(self, fn: Any, *args: Any) -> BoundCall:
+        """``fn`` (one of this library's functions above) with its arguments bound."""
+        return BoundCall(self.lib, fn, args)
 
     def argmax(self, logits: torch.Tensor) -> list[int]:
         """``logits.argmax(dim=-1).tolist()`` of CPU rows [rows, vocab] (float32 or bf16, last

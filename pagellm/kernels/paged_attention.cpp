@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "packed_call.h"
 #include <algorithm>
 #include <utility>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -654,3 +655,6 @@ extern "C" int paged_decode_attention(
   if (dtype_code == 1) return run_cache<uint16_t>(kv_code, a, num_threads, fixed_split != 0);
   return 2;
 }
+
+// Entries for a captured step's list of calls (packed_call.h).
+PAGELLM_PACKED(paged_decode_attention)

@@ -9,12 +9,12 @@ of K / k_scale and V / v_scale): the caller passes ``scale * k_scale`` as the so
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable
 
 import torch
 
 from pagellm.kernels.cpu_build import build_library
+from pagellm.kernels.packed import BoundCall
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _KV_CODES = (0, 1, 2)
@@ -29,6 +29,7 @@ class PagedDecodeKernel:
     """out[b] = softmax(q[b] . K[b]^T * scale) V[b], K/V read through ``block_tables``."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
         fn = lib.paged_decode_attention
         fn.restype = ctypes.c_int
         fn.argtypes = (
@@ -81,7 +82,7 @@ class PagedDecodeKernel:
         args = _decode_args(
             q, k_cache, v_cache, block_tables, context_lens, out, scale, 0, 1.0, fixed_split
         )
-        return functools.partial(self._fn, *args)
+        return BoundCall(self._lib, self._fn, args)
 
 
 def _decode_args(
@@ -120,6 +121,7 @@ class PagedPrefillKernel:
     attend to the chunk's cached prefix in full and to the chunk itself causally."""
 
     def __init__(self, lib: ctypes.CDLL, allow_amx: bool = True) -> None:
+        self._lib = lib
         fn = lib.paged_prefill_attention
         fn.restype = ctypes.c_int
         fn.argtypes = (
@@ -194,7 +196,7 @@ class PagedPrefillKernel:
         ``start_pos``'s length, fixed when bound."""
         args = self._args(q, k_cache, v_cache, block_tables, query_starts, start_pos, out,
                           scale, 0, 1.0)  # fmt: skip
-        return functools.partial(self._fn, *args)
+        return BoundCall(self._lib, self._fn, args)
 
     def _args(
         self,

@@ -27,6 +27,7 @@
 #include "amx_common.h"
 #include "cpu_common.h"
 #include "tile_transpose.h"
+#include "packed_call.h"
 
 namespace {
 
@@ -1195,3 +1196,6 @@ extern "C" int paged_prefill_has_amx() {
   return 0;
 #endif
 }
+
+// Entries for a captured step's list of calls (packed_call.h).
+PAGELLM_PACKED(paged_prefill_attention)

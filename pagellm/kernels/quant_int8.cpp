@@ -33,6 +33,7 @@
 #include "amx_pass.h"
 #include "cpu_common.h"
 #include "tile_transpose.h"
+#include "packed_call.h"
 
 namespace {
 
@@ -333,3 +334,6 @@ extern "C" int quant_int8_linear(int path, int dtype, const void* x, const int8_
 #endif
   return 0;
 }
+
+// Entries for a captured step's list of calls (packed_call.h).
+PAGELLM_PACKED(quant_int8_linear)

@@ -6,12 +6,12 @@ then the weight-only kernels."""
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable
 
 import torch
 
 from pagellm.kernels.cpu_build import build_library
+from pagellm.kernels.packed import BoundCall
 from pagellm.quant.formats import QuantizedWeight
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -27,6 +27,7 @@ class QuantInt8Kernel:
         self._quantize = lib.quant_int8_quantize
         self._quantize.restype = i
         self._quantize.argtypes = [i, ptr, i, i, ptr, ptr, i]
+        self._lib = lib
         self._linear = lib.quant_int8_linear
         self._linear.restype = i
         self._linear.argtypes = [i, i, ptr, ptr, ptr, ptr, i, i, i, i]
@@ -97,7 +98,7 @@ class QuantInt8Kernel:
         assert out.dtype == x.dtype and row_scales.dtype == torch.float32
         args = (path, _DTYPE_CODES[x.dtype], x.data_ptr(), w.q.data_ptr(),
                 row_scales.data_ptr(), out.data_ptr(), m, n, k, torch.get_num_threads())  # fmt: skip
-        return functools.partial(self._linear, *args)
+        return BoundCall(self._lib, self._linear, args)
 
 
 def row_scales(w: QuantizedWeight) -> torch.Tensor:

@@ -37,6 +37,7 @@
 #include "cpu_common.h"
 #include "quant_layout.h"
 #include "quant_row.h"
+#include "packed_call.h"
 
 namespace {
 
@@ -632,3 +633,6 @@ extern "C" int quant_linear_int8_rows() {
   return 0;
 #endif
 }
+
+// Entries for a captured step's list of calls (packed_call.h).
+PAGELLM_PACKED(quant_linear)

@@ -8,12 +8,12 @@ dot products for more (quant_tiles.cpp)."""
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable
 
 import torch
 
 from pagellm.kernels.cpu_build import build_library
+from pagellm.kernels.packed import BoundCall
 from pagellm.kernels.quant_int8 import QuantInt8Kernel, load_quant_int8_kernel
 from pagellm.quant.formats import QuantizedWeight, quantize_activations_int8
 
@@ -45,6 +45,7 @@ class QuantTilesKernel:
 
     def __init__(self, lib: ctypes.CDLL, path: int | None = None) -> None:
         ptr, i = ctypes.c_void_p, ctypes.c_int
+        self._lib = lib
         self._linear = lib.quant_tiles_linear
         self._linear.restype = i
         self._linear.argtypes = [i, ptr, ptr, ptr, ptr, ptr, i, i, i, i, i, ptr, i, i, i, i]
@@ -111,7 +112,7 @@ class QuantTilesKernel:
         assert x.is_contiguous() and out.is_contiguous() and out.shape == (m, w.shape[0])
         args = (self.path, x.data_ptr(), *_layout(w), w.fmt.group(k), out.data_ptr(), m,
                 w.shape[0], k, torch.get_num_threads())  # fmt: skip
-        return functools.partial(self._linear, *args)
+        return BoundCall(self._lib, self._linear, args)
 
 
 class QuantLinearKernel:
@@ -128,6 +129,7 @@ class QuantLinearKernel:
         int8: QuantInt8Kernel | None = None,
     ) -> None:
         ptr, i = ctypes.c_void_p, ctypes.c_int
+        self._lib = lib
         self._linear = lib.quant_linear
         self._linear.restype = i
         self._linear.argtypes = [i, ptr, ptr, ptr, ptr, ptr, i, i, i, i, i, ptr, ptr, i, i, i, i]
@@ -255,7 +257,7 @@ class QuantLinearKernel:
         assert out.shape == (m, w.shape[0]) and out.dtype == x.dtype
         args = (_DTYPE_CODES[x.dtype], x.data_ptr(), *_layout(w), w.fmt.group(k), None,
                 out.data_ptr(), m, w.shape[0], k, torch.get_num_threads())  # fmt: skip
-        return functools.partial(self._linear, *args)
+        return BoundCall(self._lib, self._linear, args)
 
     def _panels(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         n, k = w.shape

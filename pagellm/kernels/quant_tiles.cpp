@@ -31,6 +31,7 @@
 #include "amx_pass.h"
 #include "quant_layout.h"
 #include "tile_transpose.h"
+#include "packed_call.h"
 
 namespace {
 
@@ -423,3 +424,6 @@ extern "C" int quant_tiles_dequantize(const uint8_t* q, const void* scales, cons
   return 6;
 #endif
 }
+
+// Entries for a captured step's list of calls (packed_call.h).
+PAGELLM_PACKED(quant_tiles_linear)

@@ -13,6 +13,7 @@
 #include <immintrin.h>
 
 #include "cpu_common.h"
+#include "packed_call.h"
 
 namespace {
 
@@ -166,3 +167,6 @@ extern "C" int skinny_linear(int dtype_code,  // 0 = float32, 1 = bfloat16
 }
 
 extern "C" int skinny_linear_max_rows() { return MAX_ROWS; }
+
+// Entries for a captured step's list of calls (packed_call.h).
+PAGELLM_PACKED(skinny_linear)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable
 
 import torch
 
 from pagellm.kernels.cpu_build import build_library
+from pagellm.kernels.packed import BoundCall
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -17,6 +17,7 @@ class SkinnyLinearKernel:
     """``out = x @ weight.T + bias`` for x of at most ``max_rows`` rows (decode and small mixed steps)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
         fn = lib.skinny_linear
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
@@ -68,7 +69,7 @@ class SkinnyLinearKernel:
         args = (_DTYPE_CODES[x.dtype], x.data_ptr(), weight.data_ptr(),
                 bias.data_ptr() if bias is not None else None, out.data_ptr(), m,
                 weight.shape[0], k, torch.get_num_threads())  # fmt: skip
-        return functools.partial(self._fn, *args)
+        return BoundCall(self._lib, self._fn, args)
 
 
 def load_skinny_linear_kernel(vector_width: int | None = None) -> SkinnyLinearKernel | None:
