@@ -1,6 +1,6 @@
-// One or two rows of bf16 x (decode steps of one or two streams) against 4-bit weights
+// A few rows of bf16 x (decode steps of one to QR_MAX_X streams) against 4-bit weights
 // (quant_layout.h) by 8-bit integer dot products: y = x W^T (+ bias), W read as stored, for
-// groups of 32 or 64 inputs or a multiple of 128.
+// groups of 32 or 64 inputs or a multiple of 128, on CPUs with AVX-512 VNNI.
 //
 // x is quantized on the fly, per weight group (the same 32 inputs as llama.cpp's Q8_0
 // activations for Q4_0 / Q4_1; vLLM's CPU AWQ / GPTQ path, IPEX's WoqLowpMode.INT8, quantizes
@@ -23,7 +23,7 @@
 // The CPU this was tuned on (a 2-core Xeon VM) runs about one 512-bit instruction a cycle, so
 // the count of vector instructions a chunk is the cost: here 3 to decode and 2 dot products
 // (and a conversion and a scaling for groups of 32 / 64), where bf16 dot products of decoded
-// words took 8 to decode and 4 products.
+// words (this file's previous form) took 8 to decode and 4 products.
 // -DQR_NO_INT8_ROW builds without it (the register path of quant_linear.cpp takes the rows).
 #pragma once
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && PAGELLM_VEC_WIDTH == 16 && !defined(QR_NO_INT8_ROW)
