@@ -1,7 +1,8 @@
 """RMSNorm computed in float32 and cast back before the weight, as the Hugging Face reference.
 
-In batch-invariant mode ``row_ops`` norms the rows (``pagellm.runner.batch_invariant``: on a CPU
-the C++ op captured decode steps use, so an eager and a captured step give the same bits)."""
+On a CPU ``row_ops`` norms the rows with the C++ op captured decode steps use
+(``pagellm.layers.row_ops``), so an eager and a captured step give the same bits; batch-invariant
+mode relies on it (``pagellm.runner.batch_invariant``)."""
 
 from __future__ import annotations
 

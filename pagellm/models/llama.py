@@ -137,11 +137,12 @@ class MLP(nn.Module):
         full = arch.intermediate_size
         self.down_proj = make_linear(self.intermediate, down, False, quant, full)
         self.row_ops: Any = None
-        """Batch-invariant mode's SiLU-and-multiply (``pagellm.runner.batch_invariant``)."""
+        """SiLU-and-multiply by a fused op (``pagellm.layers.row_ops``; on a CPU, and in
+        batch-invariant mode)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.row_ops is not None:  # batch-invariant: see pagellm.runner.batch_invariant
+        if self.row_ops is not None:
             act = self.row_ops.silu_mul(gate_up, self.intermediate)
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)

@@ -10,8 +10,9 @@ What varies with the batch in the default mode, and what this mode puts in its p
   kernel, with different summation orders -> every token is a row of the decode kernel, which
   reads keys in an order set by the row's position alone (and splits a long context over threads
   by its length, not by the batch: ``fixed_split``);
-- RMSNorm and SiLU-and-multiply: eager steps ran torch's ops, captured steps their fused C++ ops
-  (equal within one bf16 step, not bit for bit) -> both run the C++ ops, row by row;
+- RMSNorm and SiLU-and-multiply: on a CPU eager and captured steps alike run the fused C++ ops
+  of captured steps, row by row (``pagellm.layers.row_ops``, the default there too); on a GPU
+  the norms take a Triton kernel with one program per row;
 - the TP all-reduce: a ring starts each element's sum at a rank set by its place in the tensor
   -> an all-gather summed in rank order.
 The sampler already works row by row (softmax, log-softmax, top-k/top-p sorts, per-request
@@ -33,41 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels.decode_ops import DTYPE_CODES, DecodeOps, load_decode_ops
+from pagellm.kernels.decode_ops import load_decode_ops
 from pagellm.kernels.invariant_linear import load_invariant_linear_kernel
 from pagellm.layers.linear import Linear
-from pagellm.layers.norm import RMSNorm
 from pagellm.layers.quant_linear import QuantEmbedding, QuantPart
+from pagellm.layers.row_ops import CpuRowOps, use_row_ops
 
 log = logging.getLogger(__name__)
-
-
-class CpuRowOps:
-    """RMSNorm and SiLU-and-multiply by the C++ ops of captured decode steps, row by row."""
-
-    def __init__(self, ops: DecodeOps) -> None:
-        self.ops = ops
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        hidden = x.shape[-1]
-        rows = x.reshape(-1, hidden).contiguous()
-        out = torch.empty_like(rows)
-        weight = weight if weight.dtype == x.dtype else weight.to(x.dtype)
-        rc = self.ops.add_rms_norm(DTYPE_CODES[x.dtype], rows.data_ptr(), None, weight.data_ptr(),
-                                   out.data_ptr(), rows.shape[0], hidden, eps,
-                                   torch.get_num_threads())  # fmt: skip
-        if rc != 0:
-            raise RuntimeError(f"decode_add_rms_norm failed with code {rc}")
-        return out.view(x.shape)
-
-    def silu_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
-        gate_up = gate_up.contiguous()
-        act = torch.empty(gate_up.shape[0], intermediate, dtype=gate_up.dtype)
-        rc = self.ops.silu_mul(DTYPE_CODES[act.dtype], gate_up.data_ptr(), act.data_ptr(),
-                               act.shape[0], intermediate, torch.get_num_threads())  # fmt: skip
-        if rc != 0:
-            raise RuntimeError(f"decode_silu_mul failed with code {rc}")
-        return act
 
 
 class TritonRowOps:
@@ -101,8 +74,7 @@ def make_batch_invariant(model: nn.Module, device: torch.device | None = None) -
     for module in model.modules():
         if isinstance(module, Linear):
             module.use_invariant(kernel, release_weight=id(module.weight) not in shared)
-        elif isinstance(module, RMSNorm) or hasattr(module, "row_ops"):
-            module.row_ops = row_ops  # the norms and the MLP's SiLU-and-multiply
+    use_row_ops(model, row_ops)  # the norms and the MLP's SiLU-and-multiply
     log.info("batch-invariant mode: linear layers on the %s path", kernel.path_name)
     return kernel.path_name
 

@@ -29,7 +29,7 @@ from pagellm.config import GIB, CacheConfig, StepLimits
 from pagellm.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagellm.kernels.bf16_tiles import load_bf16_tiles_kernel
 from pagellm.kernels.cpu_build import cpu_has_native_bf16
-from pagellm.kernels.decode_ops import load_decode_ops
+from pagellm.kernels.decode_ops import DecodeOps, load_decode_ops
 from pagellm.kernels.paged_attention import (
     PagedPrefillKernel,
     load_paged_decode_kernel,
@@ -39,6 +39,7 @@ from pagellm.kernels.quant_linear import load_quant_linear_kernel
 from pagellm.kernels.skinny_linear import load_skinny_linear_kernel
 from pagellm.layers.linear import use_skinny_linears, use_tile_linears
 from pagellm.layers.quant_linear import quant_tensors, use_quant_kernel
+from pagellm.layers.row_ops import CpuRowOps, use_row_ops
 from pagellm.models.arch import ModelArch
 from pagellm.parallel.comm import Collectives
 from pagellm.runner.batch_invariant import make_batch_invariant
@@ -157,6 +158,9 @@ def _load(
     if batch_invariant:
         make_batch_invariant(model, device)
     elif device.type == "cpu":
+        ops = load_decode_ops()
+        if ops is not None and DecodeOps.supports(dtype):
+            use_row_ops(model, CpuRowOps(ops))
         use_skinny_linears(model, load_skinny_linear_kernel(), cpu_has_native_bf16())
         use_tile_linears(model, load_bf16_tiles_kernel())
         use_quant_kernel(model, load_quant_linear_kernel())
