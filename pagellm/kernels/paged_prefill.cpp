@@ -1031,6 +1031,14 @@ void amx_sub_tile(const Args& a, int b, int kt, int nt, bool mask, const uint16_
   }
 }
 
+// 16 floats to bf16 at dst, rounded to nearest even (as store()).
+inline void store_bf16x16(uint16_t* dst, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+
 // An item: up to SUB x 32 rows of one (chunk, kv head). Each step's key tiles are used by every
 // sub-block that sees them before the next are read.
 void amx_item(const Args& a, const Item& it, const uint16_t* pk, const uint16_t* pvt,
@@ -1051,15 +1059,27 @@ void amx_item(const Args& a, const Item& it, const uint16_t* pk, const uint16_t*
       if (nt > 0) amx_sub_tile(a, b, kt, nt, (kt + nt) * AT - 1 > first_pos[b], pk, pvt, sc);
     }
   }
+  // O^T [dims][32 rows] back to rows, 16 rows x 16 dims a transpose, scaled by v_scale / sum
   uint16_t* out = static_cast<uint16_t*>(a.out);
   for (int b = 0; b < subs; ++b) {
     const float* ot = sc.ot.data() + static_cast<size_t>(b) * AT * d;
-    for (int r = 0; r < std::min(AT, it.rows - b * AT); ++r) {
-      const int row = it.row0 + b * AT + r;
-      uint16_t* dst = out + (static_cast<int64_t>(tok0 + row / group) * a.num_heads +
-                             it.kv_head * group + row % group) * d;
-      const float inv = a.v_scale / sc.sum(b)[r];
-      for (int x = 0; x < d; ++x) store(dst + x, ot[x * AT + r] * inv);
+    const int rows = std::min(AT, it.rows - b * AT);
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+      uint16_t* dst[16];
+      float inv[16];
+      for (int r = 0; r < std::min(16, rows - r0); ++r) {
+        const int row = it.row0 + b * AT + r0 + r;
+        dst[r] = out + (static_cast<int64_t>(tok0 + row / group) * a.num_heads +
+                        it.kv_head * group + row % group) * d;
+        inv[r] = a.v_scale / sc.sum(b)[r0 + r];
+      }
+      for (int x0 = 0; x0 < d; x0 += 16) {
+        __m512i v[16];
+        for (int j = 0; j < 16; ++j) v[j] = _mm512_loadu_si512(ot + (x0 + j) * AT + r0);
+        transpose16(v);
+        for (int r = 0; r < std::min(16, rows - r0); ++r)
+          store_bf16x16(dst[r] + x0, _mm512_mul_ps(_mm512_castsi512_ps(v[r]), _mm512_set1_ps(inv[r])));
+      }
     }
   }
 }
