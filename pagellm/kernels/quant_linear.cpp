@@ -469,7 +469,7 @@ void run(const Layout& L, const T* x, const T* bias, T* out, int m, int n_out, i
 #if defined(QR_INT8_ROW)
   if constexpr (std::is_same_v<T, uint16_t> && C == INT4) {
     if (m <= QR_MAX_X && row_applies(L)) {
-      bf16_rows_linear(L, x, bias, out, m, n_out, threads);
+      int8_rows_linear(L, x, bias, out, m, n_out, threads);
       return;
     }
   }

@@ -284,7 +284,7 @@ inline void store16(uint16_t* p, __mmask16 m, __m512 v) {  // bf16, rounded to n
 
 // y = x W^T (+ bias) for m rows of bf16 x, output features split over the threads.
 template <int G, typename T>
-void bf16_rows_linear_g(const RowCall& call, const T* bias, T* out, int n_out, int threads) {
+void int8_rows_linear_g(const RowCall& call, const T* bias, T* out, int n_out, int threads) {
   const int m = call.m;
   const int blocks = (n_out + QR_BLOCK - 1) / QR_BLOCK;
 #pragma omp parallel num_threads(threads)
@@ -304,12 +304,12 @@ void bf16_rows_linear_g(const RowCall& call, const T* bias, T* out, int n_out, i
 }
 
 template <typename T>
-void bf16_rows_linear(const Layout& L, const uint16_t* x, const T* bias, T* out, int m,
+void int8_rows_linear(const Layout& L, const uint16_t* x, const T* bias, T* out, int m,
                       int n_out, int threads) {
   const RowCall call(L, x, m);
-  if (L.group == 32) return bf16_rows_linear_g<32>(call, bias, out, n_out, threads);
-  if (L.group == 64) return bf16_rows_linear_g<64>(call, bias, out, n_out, threads);
-  bf16_rows_linear_g<0>(call, bias, out, n_out, threads);
+  if (L.group == 32) return int8_rows_linear_g<32>(call, bias, out, n_out, threads);
+  if (L.group == 64) return int8_rows_linear_g<64>(call, bias, out, n_out, threads);
+  int8_rows_linear_g<0>(call, bias, out, n_out, threads);
 }
 
 }  // namespace pagellm
