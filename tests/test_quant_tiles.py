@@ -124,6 +124,11 @@ def test_each_route_takes_its_rows_and_computes_its_reference(path):
             assert kernel.bf16_route(x, w4) is None
         elif rows >= lo:
             assert kernel.bf16_route(x, w4) == "tiles"
+    # forms the C rule leaves out: 8-bit codes, 4-bit groups of 16
+    one = torch.randn(1, 128).bfloat16()
+    assert not kernel.quantizes_x(one, w) and not kernel.quantizes_x(
+        one, _weight("int4_g16", 64, 128)
+    )
 
 
 @pytest.mark.parametrize("name", sorted(TILE_FORMATS))

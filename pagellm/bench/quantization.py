@@ -103,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = [f for f in formats if _split(f)[0] not in known or _split(f)[1] not in _KV]
     if unknown:
         raise SystemExit(f"unknown formats {unknown}; choose from {', '.join(FORMATS)}")
+    if args.agree_batch_size < 0:
+        raise SystemExit("--agree-batch-size must be >= 0 (0: all chats at once)")
     what = {w.strip() for w in args.what.split(",")}
     env = rep.environment()
     results: dict[str, Any] = {

@@ -1031,14 +1031,6 @@ void amx_sub_tile(const Args& a, int b, int kt, int nt, bool mask, const uint16_
   }
 }
 
-// 16 floats to bf16 at dst, rounded to nearest even (as store()).
-inline void store_bf16x16(uint16_t* dst, __m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-}
-
 // An item: up to SUB x 32 rows of one (chunk, kv head). Each step's key tiles are used by every
 // sub-block that sees them before the next are read.
 void amx_item(const Args& a, const Item& it, const uint16_t* pk, const uint16_t* pvt,
@@ -1078,7 +1070,9 @@ void amx_item(const Args& a, const Item& it, const uint16_t* pk, const uint16_t*
         for (int j = 0; j < 16; ++j) v[j] = _mm512_loadu_si512(ot + (x0 + j) * AT + r0);
         transpose16(v);
         for (int r = 0; r < std::min(16, rows - r0); ++r)
-          store_bf16x16(dst[r] + x0, _mm512_mul_ps(_mm512_castsi512_ps(v[r]), _mm512_set1_ps(inv[r])));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst[r] + x0),
+                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(
+                                  _mm512_castsi512_ps(v[r]), _mm512_set1_ps(inv[r])))));
       }
     }
   }

@@ -634,5 +634,18 @@ extern "C" int quant_linear_int8_rows() {
 #endif
 }
 
+// Whether quant_row.h takes weights of this form (the rule run() applies; callers ask instead of
+// keeping a copy of it).
+extern "C" int quant_linear_int8_applies(int bits, int fp8, int group) {
+#if defined(QR_INT8_ROW)
+  Layout L{};
+  L.bits = bits, L.fp8 = fp8, L.group = group;
+  return row_applies(L) ? 1 : 0;
+#else
+  (void)bits, (void)fp8, (void)group;
+  return 0;
+#endif
+}
+
 // Entries for a captured step's list of calls (packed_call.h).
 PAGELLM_PACKED(quant_linear)

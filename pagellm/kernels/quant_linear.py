@@ -139,6 +139,11 @@ class QuantLinearKernel:
         self.max_rows = int(lib.quant_linear_max_rows())
         self.int8_rows = int(lib.quant_linear_int8_rows())
         """The most rows of bf16 x that go to 4-bit weights as int8 (0: none here)."""
+        self._int8_applies = lib.quant_linear_int8_applies
+        self._int8_applies.restype = i
+        self._int8_applies.argtypes = [i, i, i]
+        self._int8_forms: dict[tuple[int, bool, int], bool] = {}
+        """The C rule's answer per (bits, fp8, group), asked once each."""
         self._panel = torch.empty(0)
         self.tiles = tiles
         self.int8 = int8
@@ -175,15 +180,13 @@ class QuantLinearKernel:
         max|x| / 127, rounded to nearest even) by W's 4-bit codes as integers: a decode step's
         few rows, as vLLM's CPU AWQ / GPTQ path (IPEX's WoqLowpMode.INT8) and llama.cpp's
         Q8_0 activations do."""
-        fmt = w.fmt
-        group = fmt.group(w.shape[1])
-        return (
-            x.dtype == torch.bfloat16
-            and x.shape[0] <= self.int8_rows
-            and fmt.bits == 4
-            and not fmt.fp8
-            and (group in (32, 64) or group % 128 == 0)
-        )
+        if x.dtype != torch.bfloat16 or x.shape[0] > self.int8_rows:
+            return False
+        form = (w.fmt.bits, bool(w.fmt.fp8), w.fmt.group(w.shape[1]))
+        applies = self._int8_forms.get(form)
+        if applies is None:
+            applies = self._int8_forms[form] = bool(self._int8_applies(*form))
+        return applies
 
     def rounds_weights_to_bf16(self, x: torch.Tensor, w: QuantizedWeight) -> bool:
         """Whether this call multiplies x by W rounded to bf16 (else by W exactly)."""

@@ -61,9 +61,10 @@ inline bool row_applies(const Layout& L) {
          (L.group == 32 || L.group == 64 || L.group % ROW_CHUNK == 0);
 }
 
-inline __m512 bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+// 16 values (mask: those that exist) as fp32.
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
 // One row of x (k inputs, groups of `group`) as int8 in chunk order [chunks][2][64] (dst zeroed
@@ -74,7 +75,7 @@ inline void quantize_x(const uint16_t* x, int k, int group, int8_t* dst, float* 
   for (int g = 0, g0 = 0; g0 < k; ++g, g0 += group) {
     __m512 top = _mm512_setzero_ps(), total = _mm512_setzero_ps();
     for (int c = g0; c < g0 + group; c += 16) {
-      const __m512 v = bf16x16(x + c);
+      const __m512 v = load16(x + c, 0xFFFF);
       top = _mm512_max_ps(top, _mm512_andnot_ps(sign, v));
       total = _mm512_add_ps(total, v);
     }
@@ -84,7 +85,7 @@ inline void quantize_x(const uint16_t* x, int k, int group, int8_t* dst, float* 
     sum[g] = _mm512_reduce_add_ps(total);
     __m512i qs = _mm512_setzero_si512();
     for (int c = g0; c < g0 + group; c += 16) {
-      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(bf16x16(x + c), inv));  // to nearest even
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + c, 0xFFFF), inv));  // to nearest even
       qs = _mm512_add_epi32(qs, q);
       // inputs c .. c + 15: chunk c / 128, half (c % 32) / 16, block (c % 128) / 32
       int8_t* at = dst + (c / ROW_CHUNK) * 128 + ((c % 32) / 16) * 64 + ((c % ROW_CHUNK) / 32) * 16;
@@ -269,13 +270,10 @@ void dot_range(const RowCall& call, int n0, int rows, float* res) {
   for (int i = 0; i < call.m; ++i) _mm512_storeu_ps(res + i * QR_BLOCK, sum_lanes16(acc + i * QR_BLOCK));
 }
 
-// 16 values (mask: those that exist) as fp32, and back.
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
+// 16 values (mask: those that exist) stored as fp32, or as bf16 rounded to nearest even (by hand:
+// a CPU with VNNI may lack AVX-512 BF16's conversion, e.g. Ice Lake).
 inline void store16(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16(uint16_t* p, __mmask16 m, __m512 v) {  // bf16, rounded to nearest even
+inline void store16(uint16_t* p, __mmask16 m, __m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i rounded = _mm512_add_epi32(
       u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
