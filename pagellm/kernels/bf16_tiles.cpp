@@ -16,6 +16,7 @@
 #include <omp.h>
 
 #include "amx_common.h"
+#include "aligned_vector.h"
 #include "amx_pass.h"
 #include "tile_transpose.h"
 #include "packed_call.h"
@@ -59,7 +60,7 @@ void store_tile(const Call& c, const float* tile, int block, int tb) {
 void run(const Call& c, int threads) {
   const int blocks = (c.n + FB - 1) / FB, steps = c.steps();
   const int tblocks = (c.m + 15) / 16, items = tblocks * steps;
-  thread_local std::vector<uint32_t> packed;
+  thread_local AlignedVector<uint32_t> packed;
   packed.resize(static_cast<size_t>(items) * 256);
   uint32_t* xp = packed.data();
   const int64_t row_bytes = static_cast<int64_t>(c.k) * 2;
@@ -72,7 +73,7 @@ void run(const Call& c, int threads) {
     int lo, hi;
     my_blocks(blocks, omp_get_thread_num(), omp_get_num_threads(), lo, hi);
     // a last block of fewer than 16 features is copied into zero-padded rows: a tile reads 16
-    thread_local std::vector<uint16_t> tail;
+    thread_local AlignedVector<uint16_t> tail;
     Outbox<float> box;
     const auto store = [&c](const float* tile, int block, int tb) { store_tile(c, tile, block, tb); };
     const auto block_rows = [&](int b) -> const char* {

@@ -30,6 +30,7 @@
 #include <omp.h>
 
 #include "amx_common.h"
+#include "aligned_vector.h"
 #include "amx_pass.h"
 #include "cpu_common.h"
 #include "tile_transpose.h"
@@ -232,7 +233,7 @@ constexpr int CHUNK_KB = 512;
 void run_amx(const Call& c, int threads) {
   const int blocks = (c.n + FB - 1) / FB, steps = c.steps();
   const int tblocks = (c.m + 15) / 16, items = tblocks * steps;
-  thread_local std::vector<uint32_t> packed;
+  thread_local AlignedVector<uint32_t> packed;
   packed.resize(static_cast<size_t>(items) * 256);
   uint32_t* xp = packed.data();
   const int chunk = std::max(2, (CHUNK_KB << 10) / (steps * 1024) / 2 * 2);
@@ -244,7 +245,7 @@ void run_amx(const Call& c, int threads) {
     amx_load_config();
     int lo, hi;
     my_blocks(blocks, omp_get_thread_num(), omp_get_num_threads(), lo, hi);
-    std::vector<int8_t> pad;  // the last block's rows and zero rows, when n is not a multiple
+    AlignedVector<int8_t> pad;  // the last block's rows and zero rows, when n is not a multiple
     Outbox<int32_t> box;
     const auto store = [&c](const int32_t* tile, int block, int tb) {
       store_tile(c, tile, block, tb);

@@ -28,6 +28,7 @@
 #include <omp.h>
 
 #include "amx_common.h"
+#include "aligned_vector.h"
 #include "amx_pass.h"
 #include "quant_layout.h"
 #include "tile_transpose.h"
@@ -216,7 +217,7 @@ inline __m512 scaled(const Call& c, __m512 v, int f0, int cols) {
 #endif
 
 uint16_t* block_buffer(size_t values) {
-  thread_local std::vector<uint16_t> buf;
+  thread_local AlignedVector<uint16_t> buf;
   if (buf.size() < values) buf.resize(values);
   return buf.data();
 }
@@ -309,7 +310,7 @@ void store_tile(const Call& c, const float* tile, int block, int tb) {
 void run_path2(const Call& c, int threads) {
   const int blocks = (c.n + FB - 1) / FB, steps = c.steps();
   const int tblocks = (c.m + 15) / 16, items = tblocks * steps;
-  thread_local std::vector<uint32_t> packed;
+  thread_local AlignedVector<uint32_t> packed;
   packed.resize(static_cast<size_t>(items) * 256);
   uint32_t* xp = packed.data();
   const DecodeFn decode = decoder_for(c.L);
