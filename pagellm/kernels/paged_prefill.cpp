@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "amx_common.h"
+#include "aligned_vector.h"
 #include "cpu_common.h"
 #include "tile_transpose.h"
 #include "packed_call.h"
@@ -127,7 +128,7 @@ struct Partials {
 
 // Per-thread scratch, sized once per call: nothing here grows with the context.
 struct Scratch {
-  std::vector<float> qt, ot, st, kbuf, vbuf;
+  AlignedVector<float> qt, ot, st, kbuf, vbuf;
   std::vector<const float*> krow, vrow;
   explicit Scratch(int d)
       : qt(static_cast<size_t>(d) * ROWS), ot(static_cast<size_t>(d) * ROWS),
@@ -318,14 +319,27 @@ inline vf vexp2(vf x) {
 }
 
 // 2^x for finite x (no clamp: masked scores are -1e30, not -inf), degree 3 (relative error
-// 7.5e-5, under bf16's rounding of P, 2e-3): the softmax's probabilities.
+// 7.5e-5, under bf16's rounding of P, 2e-3): the softmax's probabilities. With AVX-512 the
+// reduction is to f = x - floor(x) in [0, 1), one vreduceps, as vscalefps floors its exponent
+// by itself (where rounding to nearest takes a round and a subtraction): the softmax of the
+// AMX path is bound by its vector instructions, two a cycle.
 inline vf vexp2_p(vf x) {
-#if defined(PP_EXP_DEG5)
-  return vexp2(x);
-#else
+#if defined(__AVX512DQ__)
+  if constexpr (VW == 16) {
+    static constexpr float c[4] = {7.8024326e-2f, 0.22606729f, 0.69583356f, 0.99992521f};
+    __m512 t;
+    std::memcpy(&t, &x, 64);
+    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 p = _mm512_set1_ps(c[0]);
+    for (int i = 1; i < 4; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+    p = _mm512_scalef_ps(p, t);
+    vf r;
+    std::memcpy(&r, &p, 64);
+    return r;
+  }
+#endif
   static constexpr float c[4] = {5.5171669e-2f, 0.24261115f, 0.69326097f, 0.99992806f};
   return exp2_poly(x, c);
-#endif
 }
 
 // Scores S^T [key][ROWS] of keys from k0, in the first `vecs` vectors of rows: those past a
@@ -767,7 +781,11 @@ void run(const Args& a, int num_chunks, int num_threads) {
 // rows][2]. Per key tile: S^T in four 16x16 fp32 tiles (TDPBF16PS over the head dims); the
 // online softmax (causal mask where the tile reaches past a row's position); P^T rounded to bf16
 // pairs of keys (B-tile form); O^T = O^T * alpha + V^T P^T, a head-dim half at a time. Tiles
-// (amx_common.h): 0-3 C, 4-5 A (K or V^T), 6-7 B (Q^T or P^T); scores_q_resident has its own.
+// (amx_common.h): 0-3 C, 4-5 A (V^T), 6-7 B (P^T) for the products with V; ScoresPump's own for
+// S^T. On a 2-core Xeon (one layer of SmolLM2's heads, a 2048-token chunk over 6144 cached keys)
+// the scratch on cache-line boundaries (tile rows that straddle lines load ~4x slower), S^T
+// computed during the previous unit's softmax and a softmax of fewer vector instructions
+// (vexp2_p's reduction, the lazy check by the sums) took 29-31 -> 23-25 ms (1.2-1.3x).
 constexpr int AT = 32;           // query rows per item, keys per tile
 constexpr int TILE_ELEMS = 512;  // bf16 values in one 16 x 64-byte tile
 // Key tiles per softmax step: O^T makes one trip between memory and the C tiles per step, and
@@ -781,7 +799,7 @@ constexpr int KS = PP_AMX_STEP;
 constexpr int KB = KS * AT;  // keys per softmax step
 
 struct AmxPack {
-  std::vector<uint16_t> k, vt;
+  AlignedVector<uint16_t> k, vt;
   std::vector<int64_t> at;  // element offset of each (chunk, kv head)'s packed keys
   std::vector<int> tiles;   // key tiles of each (chunk, kv head)
 };
@@ -816,12 +834,19 @@ void amx_pack_one(const Args& a, int c, int h, int tiles, uint16_t* pk, uint16_t
 // One work item's state: SUB blocks of 32 rows, each with its Q^T, O^T and softmax rows.
 constexpr int SUB = 4;  // a key tile read once from L2 serves 4 x 32 rows from L1
 
+// A sub-block's key tiles of one softmax step: what the item's pipeline moves through.
+struct Unit {
+  int b, kt, nt;  // sub-block, first key tile, key tiles
+  bool mask;      // whether some key is past some row's position
+};
+
 struct AmxScratch {
-  std::vector<uint16_t> qt, pt;
-  std::vector<float> ot, s, rows;  // rows: pos, max, sum, alpha per sub-block
+  AlignedVector<uint16_t> qt, pt;
+  AlignedVector<float> ot, s, rows;  // s: two units' S^T; rows: pos, max, sum, alpha per sub-block
+  std::vector<Unit> units;
   explicit AmxScratch(int d)
       : qt(static_cast<size_t>(SUB) * AT * d), pt(KB * AT), ot(static_cast<size_t>(SUB) * AT * d),
-        s(KB * AT), rows(static_cast<size_t>(SUB) * 4 * AT) {}
+        s(2 * KB * AT), rows(static_cast<size_t>(SUB) * 4 * AT) {}
   float* pos(int b) { return rows.data() + b * 4 * AT; }
   float* mx(int b) { return pos(b) + AT; }
   float* sum(int b) { return pos(b) + 2 * AT; }
@@ -876,17 +901,72 @@ inline void pair_bf16(vf a, vf b, uint16_t* dst) {
 }
 
 constexpr float LAZY = 8.f;
+constexpr float LAZY_SUM = 256.f;  // 2^LAZY
+static_assert(KB < LAZY_SUM, "a step's keys at P <= 1 must sum under 2^LAZY");
 constexpr float MASKED = -1e30f;  // a masked score: finite, so 2^(c * MASKED - max) is 0
+
+// S^T of one unit (Q^T K, two C tiles per 16 keys), issued 16 keys a call, so that the
+// previous unit's softmax (vector instructions) runs while the tiles compute: the AMX and
+// vector units work side by side only where both kinds of instruction are near in program
+// order. Tiles 0-1 C, 2-3 K and 4-7 Q^T (a head-dim slice's pair by turns, so that a load
+// need not wait for the product reading the tile before).
+class ScoresPump {
+ public:
+  ScoresPump() = default;
+  ScoresPump(const uint16_t* pk, const uint16_t* qt, int dh_n, const Unit& u, float* s)
+      : pk_(pk), qt_(qt), s_(s), dh_n_(dh_n), kt_(u.kt), pieces_(2 * u.nt) {}
+  void operator()() {
+    if (next_ < pieces_) issue(next_++);
+  }
+  void finish() {
+    while (next_ < pieces_) issue(next_++);
+  }
+
+ private:
+  // The tile intrinsics take their tile numbers as literals: one function per set.
+  static void slice_even(const uint16_t* k, const uint16_t* q) {
+    _tile_loadd(2, k, 64);
+    _tile_loadd(4, q, 64);
+    _tile_loadd(5, q + TILE_ELEMS, 64);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(1, 2, 5);
+  }
+  static void slice_odd(const uint16_t* k, const uint16_t* q) {
+    _tile_loadd(3, k, 64);
+    _tile_loadd(6, q, 64);
+    _tile_loadd(7, q + TILE_ELEMS, 64);
+    _tile_dpbf16ps(0, 3, 6);
+    _tile_dpbf16ps(1, 3, 7);
+  }
+  void issue(int piece) {
+    const int t = piece >> 1, kh = piece & 1;
+    const uint16_t* k = pk_ + (static_cast<int64_t>(kt_ + t) * 2 + kh) * dh_n_ * TILE_ELEMS;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int dh = 0; dh < dh_n_; dh += 2) {
+      slice_even(k + dh * TILE_ELEMS, qt_ + dh * 2 * TILE_ELEMS);
+      if (dh + 1 < dh_n_) slice_odd(k + (dh + 1) * TILE_ELEMS, qt_ + (dh + 1) * 2 * TILE_ELEMS);
+    }
+    float* dst = s_ + t * AT * AT + kh * 16 * AT;
+    _tile_stored(0, dst, AT * 4);
+    _tile_stored(1, dst + 16, AT * 4);
+  }
+  const uint16_t* pk_ = nullptr;
+  const uint16_t* qt_ = nullptr;
+  float* s_ = nullptr;
+  int dh_n_ = 0, kt_ = 0, pieces_ = 0, next_ = 0;
+};
+constexpr int PUMP_KEYS = 32;  // softmax keys (of each row vector) between two pump calls
 
 // The online softmax over S^T [keys][32 rows] (`keys` from k0, a multiple of 32, raw scores),
 // lane-parallel over the rows, in base 2 (each row's max is kept as scale * log2(e) * score):
 // P^T goes to sc.pt as bf16 B tiles (two per 32 keys, one per row half), each row's rescale
 // factor to alpha; returns whether any row's max moved (else every alpha is 1).
-bool softmax_tile(const Args& a, AmxScratch& sc, const float* pos, float* mx, float* sum,
-                  float* alpha, int k0, int keys, bool mask) {
+template <typename Pump>
+bool softmax_tile(const Args& a, const float* s, AmxScratch& sc, const float* pos, float* mx,
+                  float* sum, float* alpha, int k0, int keys, bool mask, Pump& pump) {
   constexpr int NV = AT / VW;
   const float c = a.scale * 1.44269504088896341f;  // the scale is positive: max commutes
-  const float* s = sc.s.data();
   bool moved = false;
   for (int v = 0; v < NV; ++v) {
     const vf posv = loadv(pos + v * VW);
@@ -899,24 +979,24 @@ bool softmax_tile(const Args& a, AmxScratch& sc, const float* pos, float* mx, fl
     auto pair_at = [&](int j) {  // key pair (j, j + 1), j even, of B tile (j / 32, rh)
       return pt + (j / AT) * 2 * TILE_ELEMS + ((j % AT) / 2) * 32;
     };
-    // One pass against the max kept so far: P = 2^(score - max) <= 2^LAZY unless a score passes
-    // the max by more than LAZY (log2 units), and then (or on a row's first tile) the tile is
-    // done again against its new max, with O^T rescaled.
+    // One pass against the max kept so far: where no score passes it by more than LAZY (log2
+    // units), every P = 2^(score - max) <= 2^LAZY and the row's sum of the step's P stays under
+    // 2^LAZY too, as a row's max is exact (a score it saw) once it has moved: so the sum
+    // tells, without a max taken over the scores (an instruction a vector of the pass, which is
+    // bound by its vector instructions). Where a sum passes 2^LAZY (or on a row's first tile)
+    // the tile is done again against the rows' exact max, with O^T rescaled.
     const vf old_max = loadv(mx + v * VW);
     bool first = false;
     for (int l = 0; l < VW; ++l) first |= old_max[l] == -INFINITY;
     if (!first) {
-      vf total = splat(0.f), over = splat(-INFINITY);
+      vf total = splat(0.f);
       for (int j = 0; j < keys; j += 2) {
-        const vf x0 = raw(j) * c - old_max, x1 = raw(j + 1) * c - old_max;
-        over = vmax(over, vmax(x0, x1));
-        const vf e0 = vexp2_p(x0), e1 = vexp2_p(x1);
+        if ((j & (PUMP_KEYS - 1)) == 0) pump();
+        const vf e0 = vexp2_p(raw(j) * c - old_max), e1 = vexp2_p(raw(j + 1) * c - old_max);
         total += e0 + e1;
         pair_bf16(e0, e1, pair_at(j));
       }
-      bool passed = false;
-      for (int l = 0; l < VW; ++l) passed |= over[l] > LAZY;
-      if (!passed) {
+      if (!any_above(total, splat(LAZY_SUM))) {
         storev(sum + v * VW, loadv(sum + v * VW) + total);
         storev(alpha + v * VW, splat(1.f));
         continue;
@@ -924,7 +1004,7 @@ bool softmax_tile(const Args& a, AmxScratch& sc, const float* pos, float* mx, fl
     }
     vf tile_max = splat(-INFINITY);
     for (int j = 0; j < keys; ++j) tile_max = vmax(tile_max, raw(j));
-    const vf new_max = tile_max * c > old_max + LAZY ? tile_max * c : old_max;
+    const vf new_max = vmax(old_max, tile_max * c);
     const vf al = vexp2(old_max - new_max);  // the first tile: 2^-inf = 0
     for (int l = 0; l < VW; ++l) moved |= new_max[l] != old_max[l];
     vf total = splat(0.f);
@@ -958,60 +1038,12 @@ void amx_sub_init(const Args& a, const Item& it, int b, AmxScratch& sc) {
   }
 }
 
-// S^T of key tiles [kt, kt + nt) for head_dim 64, Q^T's four B tiles (two head-dim halves x two
-// row halves) loaded once for the step and kept in tiles 4-7: per 16 keys, two K loads (tiles
-// 2-3) and four products into two C tiles (0-1), where the general loop below loads Q^T again
-// for every key tile. A 2048-token chunk over 2000-6000 cached keys: 1.07-1.12x the whole
-// kernel (30 layers of SmolLM2's heads, 2-core Xeon, in turn with the general loop).
-void scores_q_resident(int kt, int nt, const uint16_t* pk, const uint16_t* qt, float* s) {
-  _tile_loadd(4, qt, 64);
-  _tile_loadd(5, qt + TILE_ELEMS, 64);
-  _tile_loadd(6, qt + 2 * TILE_ELEMS, 64);
-  _tile_loadd(7, qt + 3 * TILE_ELEMS, 64);
-  for (int t = 0; t < nt; ++t) {
-    const int64_t k = kt + t;
-    for (int kh = 0; kh < 2; ++kh) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_loadd(2, pk + ((k * 2 + kh) * 2) * TILE_ELEMS, 64);
-      _tile_loadd(3, pk + ((k * 2 + kh) * 2 + 1) * TILE_ELEMS, 64);
-      _tile_dpbf16ps(0, 2, 4);
-      _tile_dpbf16ps(1, 2, 5);
-      _tile_dpbf16ps(0, 3, 6);
-      _tile_dpbf16ps(1, 3, 7);
-      float* dst = s + t * AT * AT + kh * 16 * AT;
-      _tile_stored(0, dst, AT * 4);
-      _tile_stored(1, dst + 16, AT * 4);
-    }
-  }
-}
-
-// Key tiles [kt, kt + nt) (keys from k0 = 32 kt; nt <= KS) for sub-block b: scores, softmax,
-// O^T += V^T P^T.
-void amx_sub_tile(const Args& a, int b, int kt, int nt, bool mask, const uint16_t* pk,
-                  const uint16_t* pvt, AmxScratch& sc) {
+// O^T += V^T P^T for a unit whose softmax left P^T in sc.pt (after rescaling O^T by alpha
+// where some row's max moved).
+void pv_unit(const Args& a, const Unit& u, bool rescale, const uint16_t* pvt, AmxScratch& sc) {
   const int d = a.head_dim, dh_n = d / 32, dq_n = d / 16;
-  const uint16_t* qt = sc.qt.data() + static_cast<size_t>(b) * AT * d;
-  if (dh_n == 2) {
-    scores_q_resident(kt, nt, pk, qt, sc.s.data());
-  } else {
-    for (int t = 0; t < nt; ++t) {
-      const int64_t k = kt + t;
-      zero_c();
-      for (int dh = 0; dh < dh_n; ++dh) {
-        _tile_loadd(4, pk + ((k * 2) * dh_n + dh) * TILE_ELEMS, 64);
-        _tile_loadd(5, pk + ((k * 2 + 1) * dh_n + dh) * TILE_ELEMS, 64);
-        _tile_loadd(6, qt + (dh * 2) * TILE_ELEMS, 64);
-        _tile_loadd(7, qt + (dh * 2 + 1) * TILE_ELEMS, 64);
-        dot_2x2();
-      }
-      store_tiles(sc.s.data() + t * AT * AT);
-    }
-  }
-  float* alpha = sc.alpha(b);
-  const bool rescale =
-      softmax_tile(a, sc, sc.pos(b), sc.mx(b), sc.sum(b), alpha, kt * AT, nt * AT, mask);
-  float* ot = sc.ot.data() + static_cast<size_t>(b) * AT * d;  // O^T [dims][32 rows]
+  const float* alpha = sc.alpha(u.b);
+  float* ot = sc.ot.data() + static_cast<size_t>(u.b) * AT * d;  // O^T [dims][32 rows]
   if (rescale) {
     for (int x = 0; x < d; ++x)
       for (int v = 0; v < AT / VW; ++v)
@@ -1019,8 +1051,8 @@ void amx_sub_tile(const Args& a, int b, int kt, int nt, bool mask, const uint16_
   }
   for (int dh = 0; dh < dh_n; ++dh) {  // O^T accumulates in the C tiles, a head-dim half a time
     load_tiles(ot + dh * 32 * AT);
-    for (int t = 0; t < nt; ++t) {
-      const int64_t k = kt + t;
+    for (int t = 0; t < u.nt; ++t) {
+      const int64_t k = u.kt + t;
       _tile_loadd(4, pvt + (k * dq_n + 2 * dh) * TILE_ELEMS, 64);
       _tile_loadd(5, pvt + (k * dq_n + 2 * dh + 1) * TILE_ELEMS, 64);
       _tile_loadd(6, sc.pt.data() + (t * 2) * TILE_ELEMS, 64);
@@ -1031,11 +1063,12 @@ void amx_sub_tile(const Args& a, int b, int kt, int nt, bool mask, const uint16_
   }
 }
 
-// An item: up to SUB x 32 rows of one (chunk, kv head). Each step's key tiles are used by every
-// sub-block that sees them before the next are read.
+// An item: up to SUB x 32 rows of one (chunk, kv head), in units of KS key tiles per sub-block;
+// each step's key tiles are used by every sub-block that sees them before the next are read.
+// A unit's scores are computed while the one before it runs its softmax (two S^T buffers).
 void amx_item(const Args& a, const Item& it, const uint16_t* pk, const uint16_t* pvt,
               AmxScratch& sc) {
-  const int d = a.head_dim, group = a.num_heads / a.num_kv_heads;
+  const int d = a.head_dim, group = a.num_heads / a.num_kv_heads, dh_n = d / 32;
   const int start = a.start_pos[it.chunk], tok0 = a.query_starts[it.chunk];
   const int subs = (it.rows + AT - 1) / AT;
   int first_pos[SUB], key_tiles[SUB];
@@ -1045,11 +1078,28 @@ void amx_item(const Args& a, const Item& it, const uint16_t* pk, const uint16_t*
     first_pos[b] = start + row0 / group;
     key_tiles[b] = (start + (row0 + rows - 1) / group + AT) / AT;  // ceil(kv_end / 32)
   }
+  sc.units.clear();
   for (int kt = 0; kt < key_tiles[subs - 1]; kt += KS) {
     for (int b = 0; b < subs; ++b) {
       const int nt = std::min(KS, key_tiles[b] - kt);
-      if (nt > 0) amx_sub_tile(a, b, kt, nt, (kt + nt) * AT - 1 > first_pos[b], pk, pvt, sc);
+      if (nt > 0) sc.units.push_back({b, kt, nt, (kt + nt) * AT - 1 > first_pos[b]});
     }
+  }
+  auto qt = [&](int b) { return sc.qt.data() + static_cast<size_t>(b) * AT * d; };
+  float* s[2] = {sc.s.data(), sc.s.data() + KB * AT};
+  const int n = static_cast<int>(sc.units.size());
+  ScoresPump(pk, qt(sc.units[0].b), dh_n, sc.units[0], s[0]).finish();
+  for (int i = 0; i < n; ++i) {
+    const Unit& u = sc.units[i];
+    ScoresPump next;
+    if (i + 1 < n) {
+      const Unit& after = sc.units[i + 1];
+      next = ScoresPump(pk, qt(after.b), dh_n, after, s[(i + 1) & 1]);
+    }
+    const bool rescale = softmax_tile(a, s[i & 1], sc, sc.pos(u.b), sc.mx(u.b), sc.sum(u.b),
+                                      sc.alpha(u.b), u.kt * AT, u.nt * AT, u.mask, next);
+    next.finish();
+    pv_unit(a, u, rescale, pvt, sc);
   }
   // O^T [dims][32 rows] back to rows, 16 rows x 16 dims a transpose, scaled by v_scale / sum
   uint16_t* out = static_cast<uint16_t*>(a.out);
