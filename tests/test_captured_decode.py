@@ -177,6 +177,26 @@ def test_fused_ops_match_the_eager_modules(dtype):
         _within_one_ulp(act, expected)
 
 
+def test_bf16_silu_over_the_whole_float_range():
+    """bf16's SiLU takes a cheaper sigmoid (reciprocal estimate and a Newton step): finite
+    everywhere (e^-x overflows below ~-88, where the step would give inf * 0), zero there as
+    torch's, and within one bf16 step of torch's elsewhere."""
+    from pagellm.kernels.decode_ops import load_decode_ops
+
+    ops = load_decode_ops()
+    assert ops is not None
+    x = torch.linspace(-200, 200, 40001).bfloat16()
+    gate_up = torch.cat([x, torch.ones_like(x)]).view(1, -1)
+    act = torch.empty(1, x.numel(), dtype=torch.bfloat16)
+    assert ops.silu_mul(1, gate_up.data_ptr(), act.data_ptr(), 1, x.numel(), 2) == 0
+    act = act.view(-1)
+    expected = torch.nn.functional.silu(x)
+    assert bool(torch.isfinite(act).all())
+    assert bool((act[x < -89] == 0).all())
+    normal = x > -80
+    _within_one_ulp(act[normal], expected[normal])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [5, 16, 17, 1000])
 def test_argmax_kernel_matches_torch_ties_nans_and_strides(dtype, vocab):

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <limits>
 #include <cstdint>
+#include <immintrin.h>
 
 #include "cpu_common.h"
 #include "packed_call.h"
@@ -197,13 +198,45 @@ void add_rms_norm(const void* x, void* residual, const void* weight, void* out, 
   }
 }
 
+// 1 / (1 + e^-x): for fp32 with exp_v and a division (torch's bits within an ulp); for a bf16
+// result, whose rounding keeps 8 bits, 2^(-x log2 e) from a degree-5 polynomial of x - floor(x)
+// (vreduceps; vscalefps floors the exponent) and a reciprocal estimate with one Newton step
+// (relative error ~1e-6 in all), where exp_v's range reduction and the division cost the most of
+// a bf16 prefill's SiLU on AVX-512 (ad-hoc, 1024 rows x 1536 on the Xeon: 1.9x for the whole op).
+inline vf sigmoid_v(vf x, const float*) { return splat(1.f) / (splat(1.f) + exp_v(-x)); }
+inline vf sigmoid_v(vf x, const uint16_t*) {
+#if defined(__AVX512DQ__)
+  if constexpr (VW == 16) {
+    __m512 t;
+    std::memcpy(&t, &x, 64);
+    t = _mm512_mul_ps(t, _mm512_set1_ps(-1.44269504088896341f));
+    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    static constexpr float c[6] = {1.8775752e-3f, 8.9893425e-3f, 5.5826317e-2f,
+                                   0.24015362f,   0.69315307f,   0.99999993f};
+    __m512 p = _mm512_set1_ps(c[0]);
+    for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+    const __m512 d = _mm512_add_ps(_mm512_scalef_ps(p, t), _mm512_set1_ps(1.f));
+    __m512 r = _mm512_rcp14_ps(d);
+    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));  // r (2 - d r)
+    // d = inf (x below ~-88): the estimate is 0 and the step inf * 0 = NaN; vmaxps gives its
+    // second operand for a NaN: 0, as torch's 1 / (1 + inf)
+    r = _mm512_max_ps(r, _mm512_setzero_ps());
+    vf out;
+    std::memcpy(&out, &r, 64);
+    return out;
+  }
+#endif
+  return sigmoid_v(x, static_cast<const float*>(nullptr));
+}
+
 // out[r] = silu(gate) * up over rows of fused [gate | up] (inter each): silu rounded to T, then
 // the product (F.silu(gate) * up). VW lanes at a time; a tail narrower than VW goes through a
 // zero-padded chunk.
 template <typename T>
 inline void silu_mul_chunk(const T* g, const T* u, T* dst) {
   const vf x = load_t(g);
-  const vf act = round_v(x / (splat(1.f) + exp_v(-x)), static_cast<const T*>(nullptr));
+  const vf act = round_v(x * sigmoid_v(x, static_cast<const T*>(nullptr)),
+                         static_cast<const T*>(nullptr));
   store_t(dst, act * load_t(u));
 }
 
