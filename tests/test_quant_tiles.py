@@ -57,6 +57,20 @@ def test_decoded_weights_are_the_reference_rounded_to_bf16(tiles, name, k):
     assert torch.equal(tiles(eye, w).t(), w.dequantize().bfloat16())
 
 
+def test_every_fp8_code_decodes_exactly(tiles):
+    """Every finite E4M3 code (both signs, subnormals, zero) in per-channel rows scaled by 1: the
+    decoded weight is the code's value (the 8-bit codes go through a lookup table)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = codes[torch.isfinite(codes)]
+    values = torch.cat([finite, torch.zeros(-finite.numel() % 127)]).view(-1, 127)
+    w = quantize(
+        torch.cat([torch.full((values.shape[0], 1), 448.0), values], dim=1), FORMATS["fp8"]
+    )
+    assert torch.equal(w.dequantize()[:, 1:], values)
+    eye = torch.eye(128, dtype=torch.bfloat16)
+    assert torch.equal(tiles(eye, w).t().float(), w.dequantize())
+
+
 @pytest.mark.parametrize("name", sorted(TILE_FORMATS))
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 300])
 def test_tiles_match_the_bf16_matmul_of_the_decoded_weights(tiles, name, rows):
