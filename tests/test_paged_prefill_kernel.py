@@ -109,7 +109,8 @@ def kernel(request):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
-    ("hkv", "group", "d"), [(2, 1, 64), (3, 3, 64), (1, 8, 128), (2, 3, 128), (1, 3, 80)]
+    ("hkv", "group", "d"),
+    [(2, 1, 64), (3, 3, 64), (1, 8, 128), (2, 3, 128), (2, 3, 96), (1, 3, 80)],
 )
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_mixed_chunks(kernel, dtype, hkv, group, d, block_size):

@@ -874,13 +874,6 @@ inline void dot_2x2() {  // C[2i + j] += A[i] B[j]
   _tile_dpbf16ps(3, 5, 7);
 }
 
-inline void zero_c() {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-}
-
 // Interleave two vectors of row values (keys 2kp and 2kp + 1) into bf16 pairs: VW pairs of a
 // 64-byte B-tile row.
 inline void pair_bf16(vf a, vf b, uint16_t* dst) {
