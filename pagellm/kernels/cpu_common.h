@@ -5,6 +5,9 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512DQ__)
+#include <immintrin.h>
+#endif
 
 namespace pagellm {
 
@@ -72,5 +75,17 @@ inline vf loadv(const float* p) {
   return v;
 }
 inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+#if defined(__AVX512DQ__)
+// 2^t as 2^floor(t) times a polynomial (coefficients from the highest power) of t - floor(t) in
+// [0, 1): one vreduceps for the reduction, as vscalefps floors its exponent by itself.
+template <int N>
+inline __m512 exp2_floor_poly(__m512 t, const float (&c)[N]) {
+  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_set1_ps(c[0]);
+  for (int i = 1; i < N; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+  return _mm512_scalef_ps(p, t);
+}
+#endif
 
 }  // namespace pagellm

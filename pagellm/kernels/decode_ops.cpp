@@ -10,7 +10,6 @@
 #include <cmath>
 #include <limits>
 #include <cstdint>
-#include <immintrin.h>
 
 #include "cpu_common.h"
 #include "packed_call.h"
@@ -210,12 +209,9 @@ inline vf sigmoid_v(vf x, const uint16_t*) {
     __m512 t;
     std::memcpy(&t, &x, 64);
     t = _mm512_mul_ps(t, _mm512_set1_ps(-1.44269504088896341f));
-    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     static constexpr float c[6] = {1.8775752e-3f, 8.9893425e-3f, 5.5826317e-2f,
                                    0.24015362f,   0.69315307f,   0.99999993f};
-    __m512 p = _mm512_set1_ps(c[0]);
-    for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
-    const __m512 d = _mm512_add_ps(_mm512_scalef_ps(p, t), _mm512_set1_ps(1.f));
+    const __m512 d = _mm512_add_ps(exp2_floor_poly(t, c), _mm512_set1_ps(1.f));
     __m512 r = _mm512_rcp14_ps(d);
     r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));  // r (2 - d r)
     // d = inf (x below ~-88): the estimate is 0 and the step inf * 0 = NaN; vmaxps gives its

@@ -329,10 +329,7 @@ inline vf vexp2_p(vf x) {
     static constexpr float c[4] = {7.8024326e-2f, 0.22606729f, 0.69583356f, 0.99992521f};
     __m512 t;
     std::memcpy(&t, &x, 64);
-    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 p = _mm512_set1_ps(c[0]);
-    for (int i = 1; i < 4; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
-    p = _mm512_scalef_ps(p, t);
+    const __m512 p = exp2_floor_poly(t, c);
     vf r;
     std::memcpy(&r, &p, 64);
     return r;
