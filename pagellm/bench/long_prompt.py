@@ -62,13 +62,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 @dataclass(slots=True)
 class Stream:
-    """One streamed completion: when it was sent and when each content chunk arrived."""
+    """One streamed completion: when it was sent and when each event with a choice arrived
+    (vLLM's ``bench serve`` counts its inter-token latencies between those: servers that stream
+    a chunk per step, vLLM and pagellm, send one with text "" for tokens whose text is held
+    back, half of a UTF-8 character, so that a stream of two-token characters does not read
+    as one token every other step)."""
 
     sent: float
     chunk_times: list[float] = field(default_factory=list)
     first_event: float | None = None
-    """When the first event with a choice arrived (a token whose text is still empty, e.g. half
-    of a UTF-8 character, counts here but not among the content chunks)."""
     error: str | None = None
 
     @property
@@ -86,7 +88,7 @@ async def stream_completion(
     client: Any, url: str, body: dict[str, Any], headers: dict[str, str], stream: Stream
 ) -> None:
     """Fill ``stream`` as chunks arrive; records an error instead of raising."""
-    from pagellm.bench.serve import _chunk_text
+    from pagellm.bench.serve import is_token_event
 
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
@@ -104,11 +106,11 @@ async def stream_completion(
                 if "error" in event:
                     stream.error = str(event["error"])
                     return
-                choices = event.get("choices") or []
-                if choices and stream.first_event is None:
-                    stream.first_event = time.perf_counter()
-                if any(_chunk_text(c) for c in choices):
-                    stream.chunk_times.append(time.perf_counter())
+                if is_token_event(event):
+                    now = time.perf_counter()
+                    if stream.first_event is None:
+                        stream.first_event = now
+                    stream.chunk_times.append(now)
     except Exception as exc:  # noqa: BLE001 - a failed request is a result
         stream.error = f"{type(exc).__name__}: {exc}"
 

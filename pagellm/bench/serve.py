@@ -123,7 +123,7 @@ async def stream_request(
                     return result
                 if event.get("usage"):
                     usage_tokens = event["usage"].get("completion_tokens")
-                if not any(_chunk_text(c) for c in event.get("choices") or []):
+                if not is_token_event(event):
                     continue
                 now = time.perf_counter()
                 if result.ttft is None:
@@ -139,14 +139,16 @@ async def stream_request(
     result.output_tokens = usage_tokens if usage_tokens is not None else chunks
     result.ok = result.ttft is not None
     if not result.ok:
-        result.error = "the stream carried no text"
+        result.error = "the stream carried no token"
     return result
 
 
-def _chunk_text(choice: dict[str, Any]) -> str:
-    if "text" in choice:
-        return choice.get("text") or ""
-    return (choice.get("delta") or {}).get("content") or ""
+def is_token_event(event: dict[str, Any]) -> bool:
+    """Whether a streamed event brings tokens: any with a choice but a chat stream's opening
+    role chunk (usage-only events have none). Its text may be "" (held back: half of a UTF-8
+    character, a possible stop string); vLLM's ``bench serve`` counts such events too."""
+    choices = event.get("choices") or []
+    return bool(choices) and not all("role" in (c.get("delta") or {}) for c in choices)
 
 
 def request_body(model: str, req: BenchRequest, ignore_eos: bool) -> dict[str, Any]:

@@ -639,8 +639,9 @@ async def _text_deltas(gen, n: int) -> AsyncIterator:
                 continue  # finished copies reappear while the others run on
             i = comp.index
             text = comp.text[sent_text[i] :]
-            if not text and comp.finish_reason is None:
-                continue  # text held back (partial UTF-8, a possible stop string)
+            if not text and comp.finish_reason is None and len(comp.token_ids) == sent_tokens[i]:
+                continue  # nothing new (vLLM's shape: new tokens whose text is held back, a
+                # partial UTF-8 character or a possible stop string, go out with text "")
             logprobs = None if comp.logprobs is None else comp.logprobs[sent_tokens[i] :]
             sent_text[i] = len(comp.text)
             sent_tokens[i] = len(comp.token_ids)
