@@ -61,8 +61,7 @@ void run(const Call& c, int threads) {
   const int blocks = (c.n + FB - 1) / FB, steps = c.steps();
   const int tblocks = (c.m + 15) / 16, items = tblocks * steps;
   thread_local AlignedVector<uint32_t> packed;
-  packed.resize(static_cast<size_t>(items) * 256);
-  uint32_t* xp = packed.data();
+  uint32_t* xp = grown(packed, static_cast<size_t>(items) * 256);
   const int64_t row_bytes = static_cast<int64_t>(c.k) * 2;
 #pragma omp parallel num_threads(threads)
   {

@@ -234,8 +234,7 @@ void run_amx(const Call& c, int threads) {
   const int blocks = (c.n + FB - 1) / FB, steps = c.steps();
   const int tblocks = (c.m + 15) / 16, items = tblocks * steps;
   thread_local AlignedVector<uint32_t> packed;
-  packed.resize(static_cast<size_t>(items) * 256);
-  uint32_t* xp = packed.data();
+  uint32_t* xp = grown(packed, static_cast<size_t>(items) * 256);
   const int chunk = std::max(2, (CHUNK_KB << 10) / (steps * 1024) / 2 * 2);
 #pragma omp parallel num_threads(threads)
   {
@@ -320,8 +319,8 @@ extern "C" int quant_int8_linear(int path, int dtype, const void* x, const int8_
   threads = std::max(1, threads);
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> sx;
-  xq.resize(static_cast<size_t>(m) * k);
-  sx.resize(m);
+  grown(xq, static_cast<size_t>(m) * k);
+  grown(sx, m);
   quantize_rows(dtype, x, m, k, xq.data(), sx.data(), threads);
   if (path == 1) {
 #if defined(QI_HAS_DOT)

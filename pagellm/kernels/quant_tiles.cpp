@@ -344,8 +344,7 @@ void run_path2(const Call& c, int threads) {
   const int blocks = (c.n + FB - 1) / FB, steps = c.steps();
   const int tblocks = (c.m + 15) / 16, items = tblocks * steps;
   thread_local AlignedVector<uint32_t> packed;
-  packed.resize(static_cast<size_t>(items) * 256);
-  uint32_t* xp = packed.data();
+  uint32_t* xp = grown(packed, static_cast<size_t>(items) * 256);
   const DecodeFn decode = decoder_for(c.L);
 #pragma omp parallel num_threads(threads)
   {
@@ -409,8 +408,8 @@ extern "C" int quant_tiles_linear(int path, const uint16_t* x, const uint8_t* q,
 #if defined(__AVX512BF16__)
   thread_local std::vector<float> col_scale;
   if (per_row(L)) {
-    col_scale.resize(n);
-    for (int j = 0; j < n; ++j) col_scale[j] = L.scale(j, 0);  // fp8: x 256, as decoded
+    float* scales = grown(col_scale, n);
+    for (int j = 0; j < n; ++j) scales[j] = L.scale(j, 0);  // fp8: x 256, as decoded
   }
   const Call c{L, x, out, m, n, per_row(L) ? col_scale.data() : nullptr};
   threads = std::max(1, std::min(threads, (n + FB - 1) / FB));
