@@ -42,3 +42,12 @@ def test_the_benchmarks_count_token_events_not_the_opening_role_chunk():
     assert is_token_event({"choices": [{"index": 0, "delta": {"content": "x"}}]})
     assert not is_token_event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
     assert not is_token_event({"choices": [], "usage": {"completion_tokens": 3}})
+
+
+def test_a_chat_stream_without_tools_sends_held_back_tokens_as_empty_content():
+    from pagellm.server.app import _chat_delta
+    from pagellm.server.chat_tools import ToolPlan
+
+    plan = ToolPlan(mode="none")
+    item = _Delta(index=0, text="", logprobs=None, finish_reason=None, stop_reason=None)
+    assert _chat_delta(item, plan, {}) == ({"content": ""}, None)

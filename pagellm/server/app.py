@@ -553,7 +553,7 @@ class _Context:
                 continue
             delta, finish_reason = _chat_delta(item, plan, calls)
             if not delta and item.finish_reason is None and item.logprobs is None:
-                continue  # text held back by the tool-call parser
+                continue  # text held back by the tool-call parser (as vLLM, no chunk)
             choice = {
                 "index": item.index,
                 "delta": delta,
@@ -591,8 +591,8 @@ def _chat_delta(item: _Delta, plan: ToolPlan, calls: dict[int, ChoiceCalls]):
     parser = calls.get(item.index)
     if parser is None and plan.mode != "none":
         parser = calls[item.index] = ChoiceCalls(plan.new_parser())
-    if parser is None:
-        return ({"content": item.text} if item.text else {}), item.finish_reason
+    if parser is None:  # vLLM's shape: tokens whose text is held back go out as content ""
+        return {"content": item.text}, item.finish_reason
     content, tool_deltas = parser.feed(item.text)
     if item.finish_reason is not None:
         more_content, more_deltas = parser.finish()
