@@ -70,12 +70,15 @@ class Stream:
 
     sent: float
     chunk_times: list[float] = field(default_factory=list)
-    first_event: float | None = None
     error: str | None = None
 
     @property
+    def first_event(self) -> float | None:
+        return self.chunk_times[0] if self.chunk_times else None
+
+    @property
     def ttft(self) -> float | None:
-        first = self.first_event or (self.chunk_times[0] if self.chunk_times else None)
+        first = self.first_event
         return None if first is None else first - self.sent
 
     def gaps(self, after: float = float("-inf"), until: float = float("inf")) -> list[float]:
@@ -107,10 +110,7 @@ async def stream_completion(
                     stream.error = str(event["error"])
                     return
                 if is_token_event(event):
-                    now = time.perf_counter()
-                    if stream.first_event is None:
-                        stream.first_event = now
-                    stream.chunk_times.append(now)
+                    stream.chunk_times.append(time.perf_counter())
     except Exception as exc:  # noqa: BLE001 - a failed request is a result
         stream.error = f"{type(exc).__name__}: {exc}"
 

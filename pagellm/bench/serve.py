@@ -50,7 +50,7 @@ class RequestResult:
     ttft: float | None = None
     e2e: float = 0.0
     chunk_gaps: list[float] = field(default_factory=list)
-    """Gaps between successive content chunks after the first (inter-token latencies)."""
+    """Gaps between successive token events after the first (inter-token latencies)."""
     error: str | None = None
 
     @property
