@@ -407,12 +407,12 @@ extern "C" int quant_tiles_linear(int path, const uint16_t* x, const uint8_t* q,
   if (path < 1 || path > best_path()) return 6;
 #if defined(__AVX512BF16__)
   thread_local std::vector<float> col_scale;
-  float* scales = nullptr;
+  float* sum_scales = nullptr;  // per_row's, applied to the sums
   if (per_row(L)) {
-    scales = grown(col_scale, n);
-    for (int j = 0; j < n; ++j) scales[j] = L.scale(j, 0);  // fp8: x 256, as decoded
+    sum_scales = grown(col_scale, n);
+    for (int j = 0; j < n; ++j) sum_scales[j] = L.scale(j, 0);  // fp8: x 256, as decoded
   }
-  const Call c{L, x, out, m, n, scales};
+  const Call c{L, x, out, m, n, sum_scales};
   threads = std::max(1, std::min(threads, (n + FB - 1) / FB));
 #if defined(PAGELLM_HAS_AMX)
   if (path == 2) {
