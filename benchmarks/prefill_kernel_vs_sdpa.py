@@ -7,7 +7,7 @@ prompt, a boolean mask after a prefix). Prints a table headed by the CPU and wri
 how the default prefill path was chosen on a CPU kind (keep what is faster).
 
     python benchmarks/prefill_kernel_vs_sdpa.py --output-json results/prefill_vs_sdpa.json
-    python benchmarks/prefill_kernel_vs_sdpa.py --no-amx   # the vector path on an AMX CPU
+    python benchmarks/prefill_kernel_vs_sdpa.py --no-amx   # the float32 vector path
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
-        "--no-amx", action="store_true", help="keep pagellm's bf16 calls on its vector path"
+        "--no-amx",
+        action="store_true",
+        help="keep pagellm's bf16 calls on its float32 vector path (no AMX or AVX-512 BF16 tiles)",
     )
     p.add_argument("--output-json", default=None)
     return p.parse_args(argv)
@@ -102,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         for dt in args.dtypes.split(",")
         for start, n in SHAPES
     ]
-    env = {**environment(), "pagellm_bf16_path": "AMX" if kernel.has_amx and kernel.allow_amx
-           else "vector"}  # fmt: skip
+    tiles = kernel.tile_products if kernel.allow_amx else None
+    env = {**environment(), "pagellm_bf16_path": f"{tiles} tiles" if tiles else "vector"}
     table = format_table(
         ["dtype", "prefix", "chunk", "pagellm ms", "SDPA ms", "pagellm GF/s", "SDPA GF/s", "x"],
         [

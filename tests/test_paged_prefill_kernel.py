@@ -186,15 +186,26 @@ def test_fp8_cache(kernel, kv, dtype, hkv, group, d):
     _run_case(kernel, dtype, hkv, group, d, 5, chunks, seed=d + group, kv=kv)
 
 
-def test_amx_path_is_taken_where_the_cpu_has_it():
-    """On an AMX CPU a bf16 prefill runs on tiles: other bits than the vector path, the same
-    answer within bf16 tolerance (both checked against the reference above)."""
-    amx = load_paged_prefill_kernel(allow_amx=True)
-    if not amx.has_amx:
-        pytest.skip("this CPU has no AMX")
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        return set(next((line for line in f if line.startswith("flags")), "").split())
+
+
+def test_tile_products_are_taken_where_the_cpu_has_them():
+    """On a CPU with AMX or AVX-512 BF16 (Zen 4 / Zen 5) a bf16 prefill's products run in
+    bf16 pairs (tiles, or dot products in their layout): other bits than the float32 vector
+    path, the same answer within bf16 tolerance (both checked against the reference above)."""
+    tiles = load_paged_prefill_kernel(allow_amx=True)
+    flags = _cpu_flags()
+    if tiles.has_amx:
+        assert tiles.tile_products == "AMX"
+    elif "avx512_bf16" in flags and "amx_bf16" not in flags:
+        assert tiles.tile_products == "AVX-512 BF16"
+    if tiles.tile_products is None:
+        pytest.skip("this CPU has neither AMX nor AVX-512 BF16")
     vector = load_paged_prefill_kernel(allow_amx=False)
     outs = []
-    for kernel in (amx, vector):
+    for kernel in (tiles, vector):
         captured = {}
 
         def spy(*args, kernel=kernel, captured=captured, **kw):

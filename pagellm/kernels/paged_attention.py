@@ -116,6 +116,9 @@ def load_paged_decode_kernel(extra_flags: tuple[str, ...] = ()) -> PagedDecodeKe
     return PagedDecodeKernel(lib) if lib is not None else None
 
 
+_TILE_PRODUCTS = {0: None, 1: "AVX-512 BF16", 2: "AMX"}
+
+
 class PagedPrefillKernel:
     """Prefill/extend attention over the paged cache (see paged_prefill.cpp): each chunk's tokens
     attend to the chunk's cached prefix in full and to the chunk itself causally."""
@@ -141,7 +144,12 @@ class PagedPrefillKernel:
         self.has_amx = bool(lib.paged_prefill_has_amx())
         """This CPU and build run bf16 calls (plain cache, head_dim a multiple of 32, at least
         one 32-row item per thread) on AMX tiles."""
+        self.tile_products = _TILE_PRODUCTS[int(lib.paged_prefill_tile_products())]
+        """How bf16 calls' products run where the tile path applies (bf16 q and cache, head_dim
+        a multiple of 32): "AMX" tiles, "AVX-512 BF16" dot products in the tiles' layout (Zen
+        4 / Zen 5), or None (float32 FMAs)."""
         self.allow_amx = allow_amx
+        """False keeps bf16 calls on the float32 vector path (no tile products of either kind)."""
 
     @staticmethod
     def supports(dtype: torch.dtype, kv_code: int = 0) -> bool:
