@@ -18,22 +18,25 @@ from pagellm.kernels.quant_int8 import QuantInt8Kernel, load_quant_int8_kernel
 from pagellm.quant.formats import QuantizedWeight, quantize_activations_int8
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-TILE_ROWS = {
+TILE_ROWS: dict[int, tuple[int, int | None, bool]] = {
     # AMX: tiles from 5 rows (30 layers of SmolLM2's shapes against the register path, which
     # decodes into an fp32 buffer above 4 rows: 1.17-1.86x at 5-7 rows for int4, Q4_1 and
     # int8; at 3-4 rows 0.82-0.91x for int4 and int8, 1.04-1.14x for Q4_1), bf16 panels for
     # torch's (oneDNN's) GEMM above 256 rows (2048 x 576 x 3072: 2.2 ms that way, 5.1 ms on
     # the tiles, 2.1 ms dense bf16)
     2: (5, 256, True),
-    # AVX-512 BF16 (no AMX; measured with oneDNN held to AVX512_CORE_BF16): dot products win at
-    # 16-128 rows only; above, the fp32 panels beat both them and a bf16 GEMM (2048 rows: 20 vs
-    # 31 ms)
-    1: (16, 128, False),
+    # AVX-512 BF16 (no AMX), measured on a 2-core Zen 4 EPYC over one layer's four SmolLM2
+    # shapes (int8, FP8, int4): the dot products beat the register path from 5-6 rows (8 rows:
+    # 0.36-0.42 against 0.63-0.77 ms), bf16 panels into torch's GEMM at every size (256 rows:
+    # 4.3-4.4 against 4.7-4.9 ms; 2048: 34-35 against 35-37; dense bf16 4.7 and 36) and the
+    # float32 panels 2.3-2.5x (an earlier choice measured on a Xeon with oneDNN held to
+    # AVX512_CORE_BF16 sent 256 rows there: the formats ran at 0.42-0.49x bf16's throughput)
+    1: (5, None, False),
     0: (1 << 30, 0, False),
 }
-"""path -> (tiles_min_rows, tiles_max_rows, bf16 panels above that). 4-bit weights of a supported
-group take quant_row.h's int8 products first, up to ``int8_rows`` rows (on AMX 1.06-1.21x the
-tiles at 5-6 rows, 0.79-0.89x at 8)."""
+"""path -> (tiles_min_rows, tiles_max_rows or None for no limit, bf16 panels above that). 4-bit
+weights of a supported group take quant_row.h's int8 products first, up to ``int8_rows`` rows (on
+AMX 1.06-1.21x the tiles at 5-6 rows, 0.79-0.89x at 8)."""
 PANEL_BYTES = 8 << 20
 """The large-batch path decodes this much of a weight (fp32) at a time: a panel that stays in
 cache while torch's GEMM reads it."""
@@ -203,7 +206,7 @@ class QuantLinearKernel:
         m = x.shape[0]
         if m < self.tiles_min_rows:
             return None
-        if m <= self.tiles_max_rows:
+        if self.tiles_max_rows is None or m <= self.tiles_max_rows:
             return "tiles"
         return "panels" if self.bf16_panels else None
 
