@@ -231,23 +231,6 @@ void accumulate_tile(const float* st, const float* const* vrow, int n, int d, co
 }
 
 #if defined(PP_TILES)
-// The vector path's scores on AMX tiles, K used where it lies (no packing, unlike the AMX path
-// below, which pays for packing every key the chunk sees and so only takes chunks of many rows):
-// S^T (16 keys x 16 rows) = K (16 keys x 32 dims: an A tile read straight from a cache block) .
-// Q^T (32 dims in pairs x 16 rows: a B tile), summed over the head dim's 32-wide slices, two C
-// tiles for the item's 32 rows. q goes in unscaled (bf16 as it is); the scale comes after. With
-// the products with V on tiles too (vector_amx_pv), 30 layers of SmolLM2's heads on a 2-core
-// Xeon, 5-11 tokens over 2000-7900 cached keys: 1.5-1.8x the vector path's speed, the degree-3
-// 2^x for P (rounded to bf16 anyway) included, which gave 1.05-1.09x of it. Then 64 keys a
-// softmax step (O one trip through the C tiles for two P V products), V packed before the
-// softmax and O rescaled only when a row's max moves past LAZY_MAX: 1.06-1.20x on 10 tokens
-// over 7000 keys, and a mixed step of 8 decodes and such a chunk 48 -> 35 ms (30 layers).
-// Then the scale folded into the exponent and each step's max found in the pass that
-// exponentiates (amx_softmax_step: two passes over S^T fewer): 1.03-1.09x on 24-30 tokens over
-// 1000-2000 keys, where the arithmetic is the bound; none on 10 tokens over 7000, which waits
-// on memory (~10 GB/s of K and V then, what a plain sum of a large tensor read that hour).
-// Tiles: 0 K, 1-2 Q^T halves, 3-4 S^T halves (the standard configuration of amx_common.h).
-//
 #if defined(PP_SOFT_TILES)
 // AMX's TDPBF16PS for C tiles held in registers: c[i] (16 fp32 lanes: B's columns) += the sum
 // over p < 16 of A's row i pair p (two bf16, broadcast) times B's row p (16 bf16 pairs). A: R
@@ -282,6 +265,23 @@ inline void soft_dp2(__m512 (&c0)[R], __m512 (&c1)[R], const uint16_t* a, int64_
 }
 #endif
 
+// The vector path's scores on AMX tiles, K used where it lies (no packing, unlike the AMX path
+// below, which pays for packing every key the chunk sees and so only takes chunks of many rows):
+// S^T (16 keys x 16 rows) = K (16 keys x 32 dims: an A tile read straight from a cache block) .
+// Q^T (32 dims in pairs x 16 rows: a B tile), summed over the head dim's 32-wide slices, two C
+// tiles for the item's 32 rows. q goes in unscaled (bf16 as it is); the scale comes after. With
+// the products with V on tiles too (vector_amx_pv), 30 layers of SmolLM2's heads on a 2-core
+// Xeon, 5-11 tokens over 2000-7900 cached keys: 1.5-1.8x the vector path's speed, the degree-3
+// 2^x for P (rounded to bf16 anyway) included, which gave 1.05-1.09x of it. Then 64 keys a
+// softmax step (O one trip through the C tiles for two P V products), V packed before the
+// softmax and O rescaled only when a row's max moves past LAZY_MAX: 1.06-1.20x on 10 tokens
+// over 7000 keys, and a mixed step of 8 decodes and such a chunk 48 -> 35 ms (30 layers).
+// Then the scale folded into the exponent and each step's max found in the pass that
+// exponentiates (amx_softmax_step: two passes over S^T fewer): 1.03-1.09x on 24-30 tokens over
+// 1000-2000 keys, where the arithmetic is the bound; none on 10 tokens over 7000, which waits
+// on memory (~10 GB/s of K and V then, what a plain sum of a large tensor read that hour).
+// Tiles: 0 K, 1-2 Q^T halves, 3-4 S^T halves (the standard configuration of amx_common.h).
+//
 // Q^T of query rows [row0, row0 + rows) (at most 32) of an item, unscaled, in B-tile form
 // [d / 32][row half][16 dim pairs][16 rows][2] (bf16), zeros for the missing rows: the B tiles
 // of S^T = K Q^T, for the vector path's items and the AMX path's sub-blocks alike.
