@@ -111,7 +111,7 @@ def test_each_route_takes_its_rows_and_computes_its_reference(path):
     kernel = load_quant_linear_kernel(tiles_path=path)
     assert kernel is not None and kernel.tiles is not None and kernel.tiles.path == path
     lo, hi = kernel.tiles_min_rows, kernel.tiles_max_rows
-    w = _weight("q8_0", 64, 128)  # 8-bit: no int8 products of x first (4-bit below)
+    w = _weight("int8_g16", 64, 128)  # 8-bit, groups of 16: no int8 products of x (see below)
     exact, rounded = w.dequantize(), w.dequantize().bfloat16().float()
     above = "panels" if kernel.bf16_panels else None
     cases = [(lo - 1, None), (lo, "tiles")]
@@ -140,11 +140,17 @@ def test_each_route_takes_its_rows_and_computes_its_reference(path):
             assert kernel.bf16_route(x, w4) is None
         elif rows >= lo:
             assert kernel.bf16_route(x, w4) == "tiles"
-    # forms the C rule leaves out: 8-bit codes, 4-bit groups of 16
+    # forms the C rule leaves out: per-channel 8-bit codes, 8- and 4-bit groups of 16; Q8_0's
+    # form (8-bit, groups of 32, symmetric) it takes
     one = torch.randn(1, 128).bfloat16()
     assert not kernel.quantizes_x(one, w) and not kernel.quantizes_x(
         one, _weight("int4_g16", 64, 128)
     )
+    assert not kernel.quantizes_x(one, _weight("int8_g16", 64, 128))
+    q8 = _weight("q8_0", 64, 128)
+    assert not kernel.quantizes_x(one, q8)  # one row keeps the exact register path
+    two = torch.randn(2, 128).bfloat16()
+    assert kernel.quantizes_x(two, q8) == (kernel.int8_rows >= 2)
 
 
 @pytest.mark.parametrize("name", sorted(TILE_FORMATS))

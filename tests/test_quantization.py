@@ -101,17 +101,20 @@ ONE_ROW_FORMATS = {
     "int4_g64": FORMATS["int4"],
     "int4_g128": QuantFormat("int4", bits=4, group_size=128, zero=None),
     "int4_g256": QuantFormat("int4", bits=4, group_size=256, zero=None),
+    # 8-bit codes in Q8_0's form: 64 inputs a chunk, two groups of 32 per chunk
+    "q8_0_g32": FORMATS["q8_0"],
 }
 
 
 @pytest.mark.parametrize("name", sorted(ONE_ROW_FORMATS))
-@pytest.mark.parametrize("k", [256, 320, 768])
+@pytest.mark.parametrize("k", [256, 288, 320, 768])
 @pytest.mark.parametrize("rows", [1, 2, 3, 6])
 def test_few_bf16_rows_match_the_dequantized_matmul(kernel, name, k, rows):
     """A decode step's few rows of bf16 x. Where the kernel quantizes x (int8 per weight group,
     integer products; the offsets' share from x itself): within one bf16 rounding of that
     product, and near the exact one; elsewhere within one bf16 rounding of the exact product.
-    Weight rows that end mid-chunk (320: two and a half 128-input chunks) and a count of them
+    Weight rows that end mid-chunk (320: two and a half 128-input chunks; 288: four and a half
+    64-input chunks of 8-bit codes) and a count of them
     that leaves a remainder of every row block; zero-mean data, so that x's rounding shows."""
     fmt = ONE_ROW_FORMATS[name]
     if k % fmt.group_size:

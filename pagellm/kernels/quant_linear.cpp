@@ -467,8 +467,8 @@ void run_single(const Layout& L, const float* xf, const T* bias, T* out, int n_o
 template <typename T, Code C>
 void run(const Layout& L, const T* x, const T* bias, T* out, int m, int n_out, int threads) {
 #if defined(QR_INT8_ROW)
-  if constexpr (std::is_same_v<T, uint16_t> && C == INT4) {
-    if (m <= QR_MAX_X && row_applies(L)) {
+  if constexpr (std::is_same_v<T, uint16_t> && (C == INT4 || C == INT8)) {
+    if (m <= QR_MAX_X && row_applies(L) && m >= row_min_rows(L)) {
       int8_rows_linear(L, x, bias, out, m, n_out, threads);
       return;
     }
@@ -634,15 +634,17 @@ extern "C" int quant_linear_int8_rows() {
 #endif
 }
 
-// Whether quant_row.h takes weights of this form (the rule run() applies; callers ask instead of
-// keeping a copy of it).
-extern "C" int quant_linear_int8_applies(int bits, int fp8, int group) {
+// The fewest rows of bf16 x quant_row.h takes for weights of this form (a symmetric form: no
+// zero points or offsets where 8-bit), 0 if it takes none (the rule run() applies; callers ask
+// instead of keeping a copy of it).
+extern "C" int quant_linear_int8_applies(int bits, int fp8, int group, int symmetric) {
 #if defined(QR_INT8_ROW)
   Layout L{};
   L.bits = bits, L.fp8 = fp8, L.group = group;
-  return row_applies(L) ? 1 : 0;
+  L.zero_const = symmetric ? 0 : 1;  // stands for any zero point or offset
+  return row_applies(L) ? row_min_rows(L) : 0;
 #else
-  (void)bits, (void)fp8, (void)group;
+  (void)bits, (void)fp8, (void)group, (void)symmetric;
   return 0;
 #endif
 }

@@ -144,8 +144,8 @@ class QuantLinearKernel:
         """The most rows of bf16 x that go to 4-bit weights as int8 (0: none here)."""
         self._int8_applies = lib.quant_linear_int8_applies
         self._int8_applies.restype = i
-        self._int8_applies.argtypes = [i, i, i]
-        self._int8_forms: dict[tuple[int, bool, int], bool] = {}
+        self._int8_applies.argtypes = [i, i, i, i]
+        self._int8_forms: dict[tuple[int, bool, int, bool], int] = {}
         """The C rule's answer per (bits, fp8, group), asked once each."""
         self._panel = torch.empty(0)
         self.tiles = tiles
@@ -180,16 +180,20 @@ class QuantLinearKernel:
 
     def quantizes_x(self, x: torch.Tensor, w: QuantizedWeight) -> bool:
         """Whether this call multiplies bf16 x quantized to int8 (symmetric, per weight group,
-        max|x| / 127, rounded to nearest even) by W's 4-bit codes as integers: a decode step's
-        few rows, as vLLM's CPU AWQ / GPTQ path (IPEX's WoqLowpMode.INT8) and llama.cpp's
-        Q8_0 activations do."""
-        if x.dtype != torch.bfloat16 or x.shape[0] > self.int8_rows:
+        max|x| / 127, rounded to nearest even) by W's codes as integers: a decode step's few
+        rows against 4-bit codes (1-6 rows), as vLLM's CPU AWQ / GPTQ path (IPEX's
+        WoqLowpMode.INT8) and llama.cpp's Q8_0 activations do, or against 8-bit codes in Q8_0's
+        form (symmetric, groups of 32; 2-6 rows), as llama.cpp's Q8_0 x Q8_0 product."""
+        m = x.shape[0]
+        if x.dtype != torch.bfloat16 or m > self.int8_rows:
             return False
-        form = (w.fmt.bits, bool(w.fmt.fp8), w.fmt.group(w.shape[1]))
-        applies = self._int8_forms.get(form)
-        if applies is None:
-            applies = self._int8_forms[form] = bool(self._int8_applies(*form))
-        return applies
+        fmt = w.fmt
+        symmetric = fmt.zero == 0 and not fmt.offsets
+        form = (fmt.bits, bool(fmt.fp8), fmt.group(w.shape[1]), symmetric)
+        fewest = self._int8_forms.get(form)
+        if fewest is None:
+            fewest = self._int8_forms[form] = int(self._int8_applies(*form))
+        return 0 < fewest <= m
 
     def rounds_weights_to_bf16(self, x: torch.Tensor, w: QuantizedWeight) -> bool:
         """Whether this call multiplies x by W rounded to bf16 (else by W exactly)."""

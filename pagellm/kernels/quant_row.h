@@ -56,10 +56,25 @@ constexpr int QR_BLOCK = 16;  // rows of W a thread takes at a time
 #define QR_MAX_X 6
 #endif
 
-inline bool row_applies(const Layout& L) {
-  return !L.fp8 && L.bits == 4 &&
-         (L.group == 32 || L.group == 64 || L.group % ROW_CHUNK == 0);
+// 8-bit codes in Q8_0's form (signed, symmetric, groups of 32: GGUF's Q8_0, llama.cpp's Q8_0 x
+// Q8_0 product) take the same products, 64 inputs a chunk in their natural order: each code
+// byte XOR 0x80 is q + 128 as an unsigned byte, so sum q x8 = sum (q + 128) x8 - 128 sum x8, the
+// 128 a zero point. Lanes 0-7 of a chunk's products are its first group, 8-15 its second.
+inline bool row8_applies(const Layout& L) {
+  return !L.fp8 && L.bits == 8 && L.group == 32 && L.zeros == nullptr && L.zero_const == 0 &&
+         L.offsets == nullptr;
 }
+
+inline bool row_applies(const Layout& L) {
+  return row8_applies(L) || (!L.fp8 && L.bits == 4 &&
+                             (L.group == 32 || L.group == 64 || L.group % ROW_CHUNK == 0));
+}
+
+// The fewest rows of x this path takes for weights of this form: 8-bit codes from 2 (at one
+// row quant_linear.cpp's exact register path kept up: SmolLM2's 49152 x 576 Q8_0 LM head on a
+// 2-core Zen 4, ad-hoc, in turn: 2.2-3.1 ms there against 3.1-3.9 here; at 2 / 4 / 6 rows 5.6
+// / 8.0 / 9.3 ms there against 3.6-3.9 / 4.6 / 6.3 here), 4-bit codes from 1.
+inline int row_min_rows(const Layout& L) { return L.bits == 8 ? 2 : 1; }
 
 // 16 values (mask: those that exist) as fp32.
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
@@ -68,9 +83,10 @@ inline __m512 load16(const uint16_t* p, __mmask16 m) {
 }
 
 // One row of x (k inputs, groups of `group`) as int8 in chunk order [chunks][2][64] (dst zeroed
-// by the caller), with each group's scale, sum of int8 values and sum of x.
-inline void quantize_x(const uint16_t* x, int k, int group, int8_t* dst, float* scale,
-                       float* qsum, float* sum) {
+// by the caller), or in input order where `natural` (8-bit codes), with each group's scale, sum
+// of int8 values and sum of x.
+inline void quantize_x(const uint16_t* x, int k, int group, bool natural, int8_t* dst,
+                       float* scale, float* qsum, float* sum) {
   const __m512 sign = _mm512_set1_ps(-0.f);
   for (int g = 0, g0 = 0; g0 < k; ++g, g0 += group) {
     __m512 top = _mm512_setzero_ps(), total = _mm512_setzero_ps();
@@ -88,14 +104,16 @@ inline void quantize_x(const uint16_t* x, int k, int group, int8_t* dst, float* 
       const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + c, 0xFFFF), inv));  // to nearest even
       qs = _mm512_add_epi32(qs, q);
       // inputs c .. c + 15: chunk c / 128, half (c % 32) / 16, block (c % 128) / 32
-      int8_t* at = dst + (c / ROW_CHUNK) * 128 + ((c % 32) / 16) * 64 + ((c % ROW_CHUNK) / 32) * 16;
+      int8_t* at = natural ? dst + c
+                           : dst + (c / ROW_CHUNK) * 128 + ((c % 32) / 16) * 64 + ((c % ROW_CHUNK) / 32) * 16;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(at), _mm512_cvtsepi32_epi8(q));
     }
     qsum[g] = static_cast<float>(_mm512_reduce_add_epi32(qs));
   }
 }
 
-// A call's x: rows quantized [m][chunks][2][64] (zeros past k) and per group [m][groups + 16]
+// A call's x: rows quantized [m][chunks][2][64] (or [m][2 * chunks][64] in input order for
+// 8-bit codes; zeros past k) and per group [m][groups + 16]
 // (zeros past the last) their scales, int8 sums and sums, in the calling thread's buffers (read
 // by the OpenMP threads during the call).
 struct RowCall {
@@ -112,7 +130,7 @@ struct RowCall {
     xbuf.assign(static_cast<size_t>(m) * chunks * 128, 0);
     gbuf.assign(static_cast<size_t>(3) * m * groups_stride, 0.f);
     for (int i = 0; i < m; ++i)
-      quantize_x(x + static_cast<int64_t>(i) * L.k, L.k, L.group,
+      quantize_x(x + static_cast<int64_t>(i) * L.k, L.k, L.group, L.bits == 8,
                  xbuf.data() + static_cast<size_t>(i) * chunks * 128,
                  gbuf.data() + static_cast<size_t>(i) * groups_stride,
                  gbuf.data() + static_cast<size_t>(m + i) * groups_stride,
@@ -134,7 +152,7 @@ inline void row_prologue(const RowCall& call, int n, float* s, int x_stride, __m
   for (int g = 0; g < L.groups(); g += 16) {
     const __m512 ws = group_values16(L, L.scales, n, g);
     const __m512 off = L.offsets ? group_values16(L, L.offsets, n, g) : _mm512_setzero_ps();
-    const __m512 zero = group_zeros16(L, n, g);
+    const __m512 zero = L.bits == 8 ? _mm512_set1_ps(128.f) : group_zeros16(L, n, g);
     for (int i = 0; i < call.m; ++i) {
       const __m512 st = _mm512_mul_ps(ws, _mm512_loadu_ps(call.x_scale(i) + g));
       _mm512_storeu_ps(s + i * x_stride + g, st);
@@ -237,7 +255,53 @@ void dot_rows(const RowCall& call, int x0, int n, const float* s, int stride, __
     for (int r = 0; r < R; ++r) a[i * QR_BLOCK + r] = acc[i][r];
 }
 
+#ifndef QR8_PREFETCH_ROWS
+#define QR8_PREFETCH_ROWS 8
+#endif
+
+// dot_rows for 8-bit codes (row8_applies): 64 inputs a chunk, each group of 32 scaled per lane
+// every chunk; a chunk past k is masked (x's int8 there is zero).
+template <int M, int R>
+void dot_rows8(const RowCall& call, int x0, int n, const float* s, int stride, __m512* a) {
+  const Layout& L = call.L;
+  const uint8_t* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = L.q + static_cast<int64_t>(n + r) * L.k;
+  const int8_t* xs[M];
+  const float* ss[M];
+  for (int i = 0; i < M; ++i) {
+    xs[i] = call.x_row(x0 + i);
+    ss[i] = s + static_cast<size_t>(x0 + i) * QR_BLOCK * stride;
+  }
+  __m512 acc[M][R];
+  for (int i = 0; i < M; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = a[i * QR_BLOCK + r];
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  // rows fetched ahead by hand, as quant_linear.cpp's 8-bit rows (the hardware's prefetch left
+  // a one-row step of the 49152 x 576 Q8_0 LM head at ~7 GB/s on a Zen 4)
+  const int64_t ahead = static_cast<int64_t>(QR8_PREFETCH_ROWS) * L.k;
+  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  for (int c0 = 0; c0 < L.k; c0 += 64) {
+    const bool full = L.k - c0 >= 64;
+    const __mmask64 mask = full ? ~__mmask64{0} : (__mmask64{1} << (L.k - c0)) - 1;
+    __m512i xv[M];
+    for (int i = 0; i < M; ++i) xv[i] = _mm512_loadu_si512(xs[i] + c0);
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(rows[r] + ahead + c0), _MM_HINT_T0);
+      const __m512i b = full ? _mm512_loadu_si512(rows[r] + c0) : _mm512_maskz_loadu_epi8(mask, rows[r] + c0);
+      const __m512i u = _mm512_xor_si512(b, flip);
+      for (int i = 0; i < M; ++i) {
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xv[i]);
+        const __m512 sv = _mm512_permutexvar_ps(halves, _mm512_loadu_ps(ss[i] + r * stride + c0 / 32));
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < M; ++i)
+    for (int r = 0; r < R; ++r) a[i * QR_BLOCK + r] = acc[i][r];
+}
+
 // Rows [n0, n0 + rows) of W (rows <= QR_BLOCK) against every row of x: res[m][QR_BLOCK].
+// G: as dot_rows', or 8 for 8-bit codes (dot_rows8).
 template <int G>
 void dot_range(const RowCall& call, int n0, int rows, float* res) {
   const int stride = call.groups_stride;
@@ -260,10 +324,18 @@ void dot_range(const RowCall& call, int n0, int rows, float* res) {
   auto rows_of_x = [&](auto rows_of_w) {
     constexpr int RW = decltype(rows_of_w)::value;
     int x0 = 0;
-    for (; x0 + 2 <= call.m; x0 += 2)
-      dot_rows<2, RW, G>(call, x0, n0 + r0, s + r0 * stride, stride, acc + x0 * QR_BLOCK + r0);
-    if (x0 < call.m)
-      dot_rows<1, RW, G>(call, x0, n0 + r0, s + r0 * stride, stride, acc + x0 * QR_BLOCK + r0);
+    for (; x0 + 2 <= call.m; x0 += 2) {
+      if constexpr (G == 8)
+        dot_rows8<2, RW>(call, x0, n0 + r0, s + r0 * stride, stride, acc + x0 * QR_BLOCK + r0);
+      else
+        dot_rows<2, RW, G>(call, x0, n0 + r0, s + r0 * stride, stride, acc + x0 * QR_BLOCK + r0);
+    }
+    if (x0 < call.m) {
+      if constexpr (G == 8)
+        dot_rows8<1, RW>(call, x0, n0 + r0, s + r0 * stride, stride, acc + x0 * QR_BLOCK + r0);
+      else
+        dot_rows<1, RW, G>(call, x0, n0 + r0, s + r0 * stride, stride, acc + x0 * QR_BLOCK + r0);
+    }
   };
   for (; r0 + R <= rows; r0 += R) rows_of_x(std::integral_constant<int, R>{});
   for (; r0 < rows; ++r0) rows_of_x(std::integral_constant<int, 1>{});
@@ -305,6 +377,7 @@ template <typename T>
 void int8_rows_linear(const Layout& L, const uint16_t* x, const T* bias, T* out, int m,
                       int n_out, int threads) {
   const RowCall call(L, x, m);
+  if (L.bits == 8) return int8_rows_linear_g<8>(call, bias, out, n_out, threads);  // row8_applies
   if (L.group == 32) return int8_rows_linear_g<32>(call, bias, out, n_out, threads);
   if (L.group == 64) return int8_rows_linear_g<64>(call, bias, out, n_out, threads);
   int8_rows_linear_g<0>(call, bias, out, n_out, threads);
