@@ -70,10 +70,11 @@ inline bool row_applies(const Layout& L) {
                              (L.group == 32 || L.group == 64 || L.group % ROW_CHUNK == 0));
 }
 
-// The fewest rows of x this path takes for weights of this form: 8-bit codes from 2 (at one
-// row quant_linear.cpp's exact register path kept up: SmolLM2's 49152 x 576 Q8_0 LM head on a
-// 2-core Zen 4, ad-hoc, in turn: 2.2-3.1 ms there against 3.1-3.9 here; at 2 / 4 / 6 rows 5.6
-// / 8.0 / 9.3 ms there against 3.6-3.9 / 4.6 / 6.3 here), 4-bit codes from 1.
+// The fewest rows of x this path takes for weights of this form: 8-bit codes from 2, 4-bit from
+// 1. SmolLM2's 49152 x 576 Q8_0 LM head in the served model on a 2-core Zen 4 (ad-hoc, one
+// build after the other): 2.6 -> 1.0 ms at 2 rows, 3.7 -> 2.2-2.8 at 4, 4.7 -> 2.7-3.4 at 6;
+// at one row quant_linear.cpp's exact register path reads it at ~33 GB/s (0.95 ms), what this
+// VM's memory gives, and this path was no faster.
 inline int row_min_rows(const Layout& L) { return L.bits == 8 ? 2 : 1; }
 
 // 16 values (mask: those that exist) as fp32.
