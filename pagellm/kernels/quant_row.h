@@ -191,6 +191,22 @@ inline __m512i lane_groups() {
   return _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
 }
 
+// What a pass of dot_rows / dot_rows8 reads: R rows of W from row n, M rows of x from x0 and
+// their rows of s t ([x row][QR_BLOCK][stride] from s).
+template <int M, int R>
+struct PassRows {
+  const uint8_t* w[R];
+  const int8_t* x[M];
+  const float* st[M];
+  PassRows(const RowCall& call, int x0, int n, const float* s, int stride) {
+    for (int r = 0; r < R; ++r) w[r] = call.L.q + (n + r) * call.L.row_bytes();
+    for (int i = 0; i < M; ++i) {
+      x[i] = call.x_row(x0 + i);
+      st[i] = s + static_cast<size_t>(x0 + i) * QR_BLOCK * stride;
+    }
+  }
+};
+
 // acc[i * QR_BLOCK + r] += row n + r of W times x row x0 + i, per lane (M rows of x, R of W);
 // s: the rows' s t, [x row][QR_BLOCK][stride] from row n. G: 32 or 64, groups within a chunk,
 // each lane scaled by its group's s t every chunk; 0, groups of whole chunks, their int32 sums
@@ -200,14 +216,10 @@ template <int M, int R, int G>
 void dot_rows(const RowCall& call, int x0, int n, const float* s, int stride, __m512* a) {
   const Layout& L = call.L;
   const int64_t row_bytes = L.row_bytes();
-  const uint8_t* rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = L.q + (n + r) * row_bytes;
-  const int8_t* xs[M];
-  const float* ss[M];
-  for (int i = 0; i < M; ++i) {
-    xs[i] = call.x_row(x0 + i);
-    ss[i] = s + static_cast<size_t>(x0 + i) * QR_BLOCK * stride;
-  }
+  const PassRows<M, R> p(call, x0, n, s, stride);
+  const uint8_t* const* rows = p.w;
+  const int8_t* const* xs = p.x;
+  const float* const* ss = p.st;
   __m512 acc[M][R];
   __m512i part[M][R];
   for (int i = 0; i < M; ++i)
@@ -265,14 +277,10 @@ void dot_rows(const RowCall& call, int x0, int n, const float* s, int stride, __
 template <int M, int R>
 void dot_rows8(const RowCall& call, int x0, int n, const float* s, int stride, __m512* a) {
   const Layout& L = call.L;
-  const uint8_t* rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = L.q + static_cast<int64_t>(n + r) * L.k;
-  const int8_t* xs[M];
-  const float* ss[M];
-  for (int i = 0; i < M; ++i) {
-    xs[i] = call.x_row(x0 + i);
-    ss[i] = s + static_cast<size_t>(x0 + i) * QR_BLOCK * stride;
-  }
+  const PassRows<M, R> p(call, x0, n, s, stride);
+  const uint8_t* const* rows = p.w;
+  const int8_t* const* xs = p.x;
+  const float* const* ss = p.st;
   __m512 acc[M][R];
   for (int i = 0; i < M; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = a[i * QR_BLOCK + r];
