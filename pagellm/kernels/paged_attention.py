@@ -40,6 +40,12 @@ class PagedDecodeKernel:
         )
         self._fn = fn
 
+    @property
+    def has_amx(self) -> bool:
+        """This CPU and build run bf16 calls (plain cache, head_dim a multiple of 32, at least
+        one 32-row item per thread) on AMX tiles."""
+        return self.tile_products == "AMX"
+
     @staticmethod
     def supports(dtype: torch.dtype, kv_code: int = 0) -> bool:
         return dtype in _DTYPE_CODES and kv_code in _KV_CODES
@@ -141,9 +147,6 @@ class PagedPrefillKernel:
         self._smallest_rows = lib.paged_prefill_smallest_item_rows
         self._smallest_rows.restype = ctypes.c_int
         self._smallest_rows.argtypes = [ctypes.c_int] * 5
-        self.has_amx = bool(lib.paged_prefill_has_amx())
-        """This CPU and build run bf16 calls (plain cache, head_dim a multiple of 32, at least
-        one 32-row item per thread) on AMX tiles."""
         self.tile_products = _TILE_PRODUCTS[int(lib.paged_prefill_tile_products())]
         """How bf16 calls' products run where the tile path applies (bf16 q and cache, head_dim
         a multiple of 32): "AMX" tiles, "AVX-512 BF16" dot products in the tiles' layout (Zen

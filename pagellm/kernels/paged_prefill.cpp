@@ -1349,17 +1349,9 @@ extern "C" int paged_prefill_smallest_item_rows(int dtype_code, int kv_code, int
                                                                                   : ROWS;
 }
 
-// Whether this build and process can take the AMX path (bf16 calls then may).
-extern "C" int paged_prefill_has_amx() {
-#if defined(PAGELLM_HAS_AMX)
-  return amx_permitted() ? 1 : 0;
-#else
-  return 0;
-#endif
-}
-
 // How this build and process compute the bf16 products where tiles apply: 2 on AMX tiles, 1 as
-// soft tiles (AVX-512 BF16 dot products), 0 in fp32 (the vector path's FMAs).
+// soft tiles (AVX-512 BF16 dot products), 0 in fp32 (the vector path's FMAs). 2 is also when
+// bf16 chunks of many rows may take the AMX path.
 extern "C" int paged_prefill_tile_products() {
 #if defined(PP_SOFT_TILES)
   return 1;

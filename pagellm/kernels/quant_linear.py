@@ -146,7 +146,8 @@ class QuantLinearKernel:
         self._int8_applies.restype = i
         self._int8_applies.argtypes = [i, i, i, i]
         self._int8_forms: dict[tuple[int, bool, int, bool], int] = {}
-        """The C rule's answer per (bits, fp8, group), asked once each."""
+        """The C rule's answer (the fewest rows it takes, 0: none) per (bits, fp8, group,
+        symmetric), asked once each."""
         self._panel = torch.empty(0)
         self.tiles = tiles
         self.int8 = int8

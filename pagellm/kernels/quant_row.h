@@ -288,7 +288,7 @@ void dot_rows8(const RowCall& call, int x0, int n, const float* s, int stride, _
   // rows fetched ahead by hand, as quant_linear.cpp's 8-bit rows (the hardware's prefetch left
   // a one-row step of the 49152 x 576 Q8_0 LM head at ~7 GB/s on a Zen 4)
   const int64_t ahead = static_cast<int64_t>(QR8_PREFETCH_ROWS) * L.k;
-  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i halves = lane_groups<64>();  // lanes 0-7: the chunk's first group, 8-15 its second
   for (int c0 = 0; c0 < L.k; c0 += 64) {
     const bool full = L.k - c0 >= 64;
     const __mmask64 mask = full ? ~__mmask64{0} : (__mmask64{1} << (L.k - c0)) - 1;
