@@ -191,7 +191,7 @@ inline __m512i lane_groups() {
   return _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
 }
 
-// What a pass of dot_rows / dot_rows8 reads: R rows of W from row n, M rows of x from x0 and
+// What a pass of dot_rows / span_rows reads: R rows of W from row n, M rows of x from x0 and
 // their rows of s t ([x row][QR_BLOCK][stride] from s).
 template <int M, int R>
 struct PassRows {
@@ -207,101 +207,121 @@ struct PassRows {
   }
 };
 
-// acc[i * QR_BLOCK + r] += row n + r of W times x row x0 + i, per lane (M rows of x, R of W);
-// s: the rows' s t, [x row][QR_BLOCK][stride] from row n. G: 32 or 64, groups within a chunk,
-// each lane scaled by its group's s t every chunk; 0, groups of whole chunks, their int32 sums
-// scaled once a group. Each chunk of W is decoded once for the M rows of x, each chunk of x
-// loaded once for the R rows of W.
-template <int M, int R, int G>
+#ifndef QR_PREFETCH_ROWS
+#define QR_PREFETCH_ROWS 8
+#endif
+
+// acc[i * QR_BLOCK + r] += row n + r of W times x row x0 + i, per lane (M rows of x, R of W), for
+// groups of whole chunks (128 inputs or a multiple): their int32 sums are scaled once a group
+// (s: the rows' s t, [x row][QR_BLOCK][stride] from row n). Each chunk of W is decoded once for
+// the M rows of x, each chunk of x loaded once for the R rows of W.
+template <int M, int R>
 void dot_rows(const RowCall& call, int x0, int n, const float* s, int stride, __m512* a) {
   const Layout& L = call.L;
-  const int64_t row_bytes = L.row_bytes();
   const PassRows<M, R> p(call, x0, n, s, stride);
-  const uint8_t* const* rows = p.w;
-  const int8_t* const* xs = p.x;
-  const float* const* ss = p.st;
   __m512 acc[M][R];
   __m512i part[M][R];
   for (int i = 0; i < M; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = a[i * QR_BLOCK + r], part[i][r] = _mm512_setzero_si512();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const int whole = L.k / ROW_CHUNK;  // the last chunk may be part of one (G 32 or 64 only)
-  const __mmask64 tail_mask = (__mmask64{1} << (row_bytes - whole * 64)) - 1;
-  const int per_group = G == 0 ? L.group / ROW_CHUNK : 1;
-  int left_in_group = per_group;
-  auto chunk = [&](int c, bool tail) {
+  const int per_group = L.group / ROW_CHUNK;
+  for (int c = 0, g = 0; c < call.chunks; g = ++c / per_group) {
     __m512i xlo[M], xhi[M];
     for (int i = 0; i < M; ++i) {
-      xlo[i] = _mm512_loadu_si512(xs[i] + c * 128);
-      xhi[i] = _mm512_loadu_si512(xs[i] + c * 128 + 64);
+      xlo[i] = _mm512_loadu_si512(p.x[i] + c * 128);
+      xhi[i] = _mm512_loadu_si512(p.x[i] + c * 128 + 64);
     }
     for (int r = 0; r < R; ++r) {
-      const uint8_t* p = rows[r] + static_cast<int64_t>(c) * 64;
-      const __m512i b = tail ? _mm512_maskz_loadu_epi8(tail_mask, p) : _mm512_loadu_si512(p);
+      const __m512i b = _mm512_loadu_si512(p.w[r] + static_cast<int64_t>(c) * 64);
       const __m512i lo = _mm512_and_si512(b, low4);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
-      for (int i = 0; i < M; ++i) {
-        if constexpr (G != 0) {
-          const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[i]), hi, xhi[i]);
-          const __m512 sv = _mm512_permutexvar_ps(lane_groups<G>(), _mm512_loadu_ps(ss[i] + r * stride + c * (ROW_CHUNK / G)));
-          acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, acc[i][r]);
-        } else {
-          part[i][r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(part[i][r], lo, xlo[i]), hi, xhi[i]);
+      for (int i = 0; i < M; ++i)
+        part[i][r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(part[i][r], lo, xlo[i]), hi, xhi[i]);
+    }
+    if ((c + 1) % per_group == 0) {  // a group's last chunk: scale its sums
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < M; ++i) {
+          acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[i][r]), _mm512_set1_ps(p.st[i][r * stride + g]), acc[i][r]);
+          part[i][r] = _mm512_setzero_si512();
         }
-      }
     }
-    if constexpr (G == 0) {
-      if (--left_in_group == 0) {  // a group's last chunk: scale its sums
-        const int g = c / per_group;
-        for (int r = 0; r < R; ++r)
-          for (int i = 0; i < M; ++i) {
-            acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[i][r]), _mm512_set1_ps(ss[i][r * stride + g]), acc[i][r]);
-            part[i][r] = _mm512_setzero_si512();
-          }
-        left_in_group = per_group;
-      }
-    }
-  };
-  for (int c = 0; c < whole; ++c) chunk(c, false);
-  if (whole < call.chunks) chunk(whole, true);
+  }
   for (int i = 0; i < M; ++i)
     for (int r = 0; r < R; ++r) a[i * QR_BLOCK + r] = acc[i][r];
 }
 
-#ifndef QR8_PREFETCH_ROWS
-#define QR8_PREFETCH_ROWS 8
-#endif
+// Groups within a chunk (4-bit codes in groups of 32 or 64, 8-bit ones in Q8_0's form) go a span
+// of 16 groups at a time: a row's 16 scales (and offsets, zero points) for the span are one
+// vector, loaded once, and each chunk's lanes take their group's s t from the span's s t vector
+// by one permutation. The corrections, o sum x - z s t sum x8, are products of span vectors too,
+// added to the lanes once a span (the lanes are summed at the end). Nothing is stored between
+// rows: the previous form wrote each row's s t and corrections to a scratch first, which on a
+// Zen 4 cost a 576-input row more than its 4.5 chunks did.
+template <int BITS, int G>
+struct Span {
+  static constexpr int inputs = BITS == 8 ? 64 : ROW_CHUNK;  // a chunk: 64 bytes of codes
+  static constexpr int per_chunk = inputs / G;               // groups a chunk covers (2 or 4)
+  static constexpr int chunks = 16 / per_chunk;              // chunks a span
+};
 
-// dot_rows for 8-bit codes (row8_applies): 64 inputs a chunk, each group of 32 scaled per lane
-// every chunk; a chunk past k is masked (x's int8 there is zero).
-template <int M, int R>
-void dot_rows8(const RowCall& call, int x0, int n, const float* s, int stride, __m512* a) {
+// The products of row n + r of W (R rows) and x row x0 + i (M rows), per lane, into
+// a[i * QR_BLOCK + r]. Codes are fetched QR_PREFETCH_ROWS rows ahead on the first pass over a
+// slice (x0 0); later passes find them in L1 (the hardware's prefetch alone left a one-row step
+// of a 49152 x 576 Q8_0 LM head at ~7 GB/s on a Zen 4).
+template <int M, int R, int BITS, int G>
+void span_rows(const RowCall& call, int x0, int n, __m512* a) {
+  using S = Span<BITS, G>;
   const Layout& L = call.L;
-  const PassRows<M, R> p(call, x0, n, s, stride);
-  const uint8_t* const* rows = p.w;
-  const int8_t* const* xs = p.x;
-  const float* const* ss = p.st;
+  const int64_t row_bytes = L.row_bytes();
+  const PassRows<M, R> p(call, x0, n, nullptr, 0);
+  const int64_t ahead = x0 == 0 ? static_cast<int64_t>(QR_PREFETCH_ROWS) * row_bytes : 0;
+  const bool offsets = L.offsets != nullptr;
+  const bool zero = BITS == 8 || L.zeros != nullptr || L.zero_const != 0;
+  const __m512i base = lane_groups<S::per_chunk == 4 ? 32 : 64>();
+  const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int whole = static_cast<int>(row_bytes / 64), chunks = static_cast<int>((row_bytes + 63) / 64);
+  const __mmask64 tail = (__mmask64{1} << (row_bytes - whole * 64)) - 1;
   __m512 acc[M][R];
   for (int i = 0; i < M; ++i)
-    for (int r = 0; r < R; ++r) acc[i][r] = a[i * QR_BLOCK + r];
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  // rows fetched ahead by hand, as quant_linear.cpp's 8-bit rows (the hardware's prefetch left
-  // a one-row step of the 49152 x 576 Q8_0 LM head at ~7 GB/s on a Zen 4)
-  const int64_t ahead = static_cast<int64_t>(QR8_PREFETCH_ROWS) * L.k;
-  const __m512i halves = lane_groups<64>();  // lanes 0-7: the chunk's first group, 8-15 its second
-  for (int c0 = 0; c0 < L.k; c0 += 64) {
-    const bool full = L.k - c0 >= 64;
-    const __mmask64 mask = full ? ~__mmask64{0} : (__mmask64{1} << (L.k - c0)) - 1;
-    __m512i xv[M];
-    for (int i = 0; i < M; ++i) xv[i] = _mm512_loadu_si512(xs[i] + c0);
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+  for (int g0 = 0, c0 = 0; c0 < chunks; g0 += 16, c0 += S::chunks) {
+    __m512 st[M][R];
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(rows[r] + ahead + c0), _MM_HINT_T0);
-      const __m512i b = full ? _mm512_loadu_si512(rows[r] + c0) : _mm512_maskz_loadu_epi8(mask, rows[r] + c0);
-      const __m512i u = _mm512_xor_si512(b, flip);
+      const __m512 sw = group_values16(L, L.scales, n + r, g0);
+      const __m512 ow = offsets ? group_values16(L, L.offsets, n + r, g0) : _mm512_setzero_ps();
+      const __m512 zs = zero ? _mm512_mul_ps(BITS == 8 ? _mm512_set1_ps(128.f) : group_zeros16(L, n + r, g0), sw)
+                             : _mm512_setzero_ps();
       for (int i = 0; i < M; ++i) {
-        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xv[i]);
-        const __m512 sv = _mm512_permutexvar_ps(halves, _mm512_loadu_ps(ss[i] + r * stride + c0 / 32));
-        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, acc[i][r]);
+        const __m512 t = _mm512_loadu_ps(call.x_scale(x0 + i) + g0);
+        st[i][r] = _mm512_mul_ps(sw, t);
+        if (offsets) acc[i][r] = _mm512_fmadd_ps(ow, _mm512_loadu_ps(call.x_sum(x0 + i) + g0), acc[i][r]);
+        if (zero) acc[i][r] = _mm512_fnmadd_ps(_mm512_mul_ps(zs, t), _mm512_loadu_ps(call.x_qsum(x0 + i) + g0), acc[i][r]);
+      }
+    }
+    const int c_end = std::min(chunks, c0 + S::chunks);
+    for (int c = c0; c < c_end; ++c) {
+      const __m512i idx = _mm512_add_epi32(base, _mm512_set1_epi32((c - c0) * S::per_chunk));
+      __m512i x1[M], x2[M];
+      for (int i = 0; i < M; ++i) {
+        x1[i] = _mm512_loadu_si512(p.x[i] + c * S::inputs);
+        if constexpr (BITS == 4) x2[i] = _mm512_loadu_si512(p.x[i] + c * S::inputs + 64);
+      }
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* codes = p.w[r] + static_cast<int64_t>(c) * 64;
+        if (ahead) _mm_prefetch(reinterpret_cast<const char*>(codes + ahead), _MM_HINT_T0);
+        const __m512i b = c < whole ? _mm512_loadu_si512(codes) : _mm512_maskz_loadu_epi8(tail, codes);
+        __m512i lo, hi;
+        if constexpr (BITS == 4) {
+          lo = _mm512_and_si512(b, low4);
+          hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+        } else {
+          lo = _mm512_xor_si512(b, flip);  // q + 128 as unsigned bytes
+        }
+        for (int i = 0; i < M; ++i) {
+          __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x1[i]);
+          if constexpr (BITS == 4) d = _mm512_dpbusd_epi32(d, hi, x2[i]);
+          acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(idx, st[i][r]), acc[i][r]);
+        }
       }
     }
   }
@@ -310,41 +330,47 @@ void dot_rows8(const RowCall& call, int x0, int n, const float* s, int stride, _
 }
 
 // Rows [n0, n0 + rows) of W (rows <= QR_BLOCK) against every row of x: res[m][QR_BLOCK].
-// G: as dot_rows', or 8 for 8-bit codes (dot_rows8).
+// G: 32 or 64 (4-bit codes), 8 (8-bit codes), 0 (groups of whole chunks).
 template <int G>
 void dot_range(const RowCall& call, int n0, int rows, float* res) {
-  const int stride = call.groups_stride;
-  thread_local std::vector<float> consts;
-  const size_t need = static_cast<size_t>(QR_MAX_X) * QR_BLOCK * stride;
-  if (consts.size() < need) consts.resize(need);
-  float* s = consts.data();
   __m512 acc[QR_MAX_X * QR_BLOCK];
-  for (int r = 0; r < QR_BLOCK; ++r) {
-    __m512 corr[QR_MAX_X];
-    if (r < rows) {
-      row_prologue(call, n0 + r, s + r * stride, QR_BLOCK * stride, corr);
-    } else {
-      for (int i = 0; i < call.m; ++i) corr[i] = _mm512_setzero_ps();
+  const float* s = nullptr;
+  int stride = 0;
+  if constexpr (G == 0) {  // s t of each row and group, and the corrections, first
+    stride = call.groups_stride;
+    thread_local std::vector<float> consts;
+    const size_t need = static_cast<size_t>(QR_MAX_X) * QR_BLOCK * stride;
+    if (consts.size() < need) consts.resize(need);
+    for (int r = 0; r < QR_BLOCK; ++r) {
+      __m512 corr[QR_MAX_X];
+      if (r < rows) {
+        row_prologue(call, n0 + r, consts.data() + r * stride, QR_BLOCK * stride, corr);
+      } else {
+        for (int i = 0; i < call.m; ++i) corr[i] = _mm512_setzero_ps();
+      }
+      for (int i = 0; i < call.m; ++i) acc[i * QR_BLOCK + r] = corr[i];
     }
-    for (int i = 0; i < call.m; ++i) acc[i * QR_BLOCK + r] = corr[i];
+    s = consts.data();
+  } else {
+    for (int i = 0; i < call.m; ++i)
+      for (int r = rows; r < QR_BLOCK; ++r) acc[i * QR_BLOCK + r] = _mm512_setzero_ps();
   }
   constexpr int R = QR_ROWS;
   int r0 = 0;
+  auto pass = [&](auto rows_of_x, auto rows_of_w, int x0) {
+    constexpr int MX = decltype(rows_of_x)::value, RW = decltype(rows_of_w)::value;
+    __m512* a = acc + x0 * QR_BLOCK + r0;
+    if constexpr (G == 0)
+      dot_rows<MX, RW>(call, x0, n0 + r0, s + r0 * stride, stride, a);
+    else if constexpr (G == 8)
+      span_rows<MX, RW, 8, 32>(call, x0, n0 + r0, a);
+    else
+      span_rows<MX, RW, 4, G>(call, x0, n0 + r0, a);
+  };
   auto rows_of_x = [&](auto rows_of_w) {
-    constexpr int RW = decltype(rows_of_w)::value;
     int x0 = 0;
-    for (; x0 + 2 <= call.m; x0 += 2) {
-      if constexpr (G == 8)
-        dot_rows8<2, RW>(call, x0, n0 + r0, s + r0 * stride, stride, acc + x0 * QR_BLOCK + r0);
-      else
-        dot_rows<2, RW, G>(call, x0, n0 + r0, s + r0 * stride, stride, acc + x0 * QR_BLOCK + r0);
-    }
-    if (x0 < call.m) {
-      if constexpr (G == 8)
-        dot_rows8<1, RW>(call, x0, n0 + r0, s + r0 * stride, stride, acc + x0 * QR_BLOCK + r0);
-      else
-        dot_rows<1, RW, G>(call, x0, n0 + r0, s + r0 * stride, stride, acc + x0 * QR_BLOCK + r0);
-    }
+    for (; x0 + 2 <= call.m; x0 += 2) pass(std::integral_constant<int, 2>{}, rows_of_w, x0);
+    if (x0 < call.m) pass(std::integral_constant<int, 1>{}, rows_of_w, x0);
   };
   for (; r0 + R <= rows; r0 += R) rows_of_x(std::integral_constant<int, R>{});
   for (; r0 < rows; ++r0) rows_of_x(std::integral_constant<int, 1>{});
