@@ -130,11 +130,13 @@ def test_each_route_takes_its_rows_and_computes_its_reference(path):
     # inputs not a multiple of 32 stay on the other paths
     odd = quantize(torch.randn(64, 48), QuantFormat("q8_16", bits=8, group_size=16))
     assert kernel.bf16_route(torch.randn(lo, 48).bfloat16(), odd) is None
-    # 4-bit weights: x quantized to int8 up to int8_rows rows, then the tiles
+    # 4-bit weights: x quantized to int8 up to the rule's most rows, then the tiles
     w4 = _weight("q4_0", 64, 128)
-    for rows in (1, kernel.int8_rows, kernel.int8_rows + 1, max(lo, kernel.int8_rows + 1)):
+    most = kernel.int8_row_range(w4)[1]
+    assert most <= kernel.int8_rows
+    for rows in (1, most, most + 1, max(lo, most + 1)):
         x = torch.randn(rows, 128).bfloat16()
-        quantized = 0 < rows <= kernel.int8_rows
+        quantized = 0 < rows <= most
         assert kernel.quantizes_x(x, w4) == quantized, rows
         if quantized:
             assert kernel.bf16_route(x, w4) is None
@@ -151,6 +153,11 @@ def test_each_route_takes_its_rows_and_computes_its_reference(path):
     assert not kernel.quantizes_x(one, q8)  # one row keeps the exact register path
     two = torch.randn(2, 128).bfloat16()
     assert kernel.quantizes_x(two, q8) == (kernel.int8_rows >= 2)
+    fewest, most = kernel.int8_row_range(q8)
+    if fewest:  # and up to its most rows only (more: the tiles)
+        assert kernel.quantizes_x(torch.randn(most, 128).bfloat16(), q8)
+        more = torch.randn(max(most + 1, lo), 128).bfloat16()
+        assert not kernel.quantizes_x(more, q8) and kernel.bf16_route(more, q8) == "tiles"
 
 
 @pytest.mark.parametrize("name", sorted(TILE_FORMATS))

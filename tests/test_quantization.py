@@ -108,7 +108,7 @@ ONE_ROW_FORMATS = {
 
 @pytest.mark.parametrize("name", sorted(ONE_ROW_FORMATS))
 @pytest.mark.parametrize("k", [256, 288, 320, 768])
-@pytest.mark.parametrize("rows", [1, 2, 3, 6])
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 9])
 def test_few_bf16_rows_match_the_dequantized_matmul(kernel, name, k, rows):
     """A decode step's few rows of bf16 x. Where the kernel quantizes x (int8 per weight group,
     integer products; the offsets' share from x itself): within one bf16 rounding of that

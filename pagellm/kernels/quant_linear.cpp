@@ -21,7 +21,7 @@
 // decoded in registers (never written out), RW output rows at a time against XB rows of x, and
 // the output features are split over torch's OpenMP pool: each thread streams its rows of W
 // once for every token, so a step reads 1 or 0.5 bytes per weight instead of 4.
-// Up to QR_MAX_X rows of bf16 x against 4-bit codes go to quant_row.h where the CPU has AVX-512
+// A few rows of bf16 x against 4-bit codes (and 8-bit ones in Q8_0's form) go to quant_row.h where the CPU has AVX-512
 // VNNI: x quantized to int8 per weight group, integer dot products.
 // quant_dequantize: rows [row0, row0 + rows) of W into fp32, for the large-batch path, which
 // decodes a panel that fits in cache and hands it to torch's GEMM (the decode is paid once for
@@ -468,7 +468,7 @@ template <typename T, Code C>
 void run(const Layout& L, const T* x, const T* bias, T* out, int m, int n_out, int threads) {
 #if defined(QR_INT8_ROW)
   if constexpr (std::is_same_v<T, uint16_t> && (C == INT4 || C == INT8)) {
-    if (m <= QR_MAX_X && row_applies(L) && m >= row_min_rows(L)) {
+    if (row_applies(L) && m >= row_min_rows(L) && m <= row_max_rows(L)) {
       int8_rows_linear(L, x, bias, out, m, n_out, threads);
       return;
     }
@@ -624,7 +624,7 @@ extern "C" int quant_dequantize(const uint8_t* q, const void* scales, const void
 
 extern "C" int quant_linear_max_rows() { return MAX_ROWS; }
 
-// The most rows of bf16 x that quant_row.h takes (x quantized to int8 per weight group), 0
+// The most rows of bf16 x that quant_row.h can take (x quantized to int8 per weight group), 0
 // where it is not built.
 extern "C" int quant_linear_int8_rows() {
 #if defined(QR_INT8_ROW)
@@ -634,17 +634,19 @@ extern "C" int quant_linear_int8_rows() {
 #endif
 }
 
-// The fewest rows of bf16 x quant_row.h takes for weights of this form (a symmetric form: no
-// zero points or offsets where 8-bit), 0 if it takes none (the rule run() applies; callers ask
-// instead of keeping a copy of it).
-extern "C" int quant_linear_int8_applies(int bits, int fp8, int group, int symmetric) {
+// The rows of bf16 x quant_row.h takes for weights of this form (a symmetric form: no zero
+// points or offsets where 8-bit): the fewest, and the most in *most; 0 if it takes none (the
+// rule run() applies; callers ask instead of keeping a copy of it).
+extern "C" int quant_linear_int8_applies(int bits, int fp8, int group, int symmetric, int* most) {
 #if defined(QR_INT8_ROW)
   Layout L{};
   L.bits = bits, L.fp8 = fp8, L.group = group;
   L.zero_const = symmetric ? 0 : 1;  // stands for any zero point or offset
-  return row_applies(L) ? row_min_rows(L) : 0;
+  if (!row_applies(L)) return 0;
+  *most = row_max_rows(L);
+  return row_min_rows(L);
 #else
-  (void)bits, (void)fp8, (void)group, (void)symmetric;
+  (void)bits, (void)fp8, (void)group, (void)symmetric, (void)most;
   return 0;
 #endif
 }

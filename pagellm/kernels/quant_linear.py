@@ -1,7 +1,7 @@
 """Python face of the quantized linear kernels: integer and FP8 E4M3 codes in the stored form of
 ``pagellm.quant.formats``, decoded in registers for a few rows (quant_linear.cpp; up to
-``int8_rows`` bf16 rows against 4-bit codes by integer dot products where the CPU has AVX-512
-VNNI, x quantized to int8 per weight group, quant_row.h) and, for bf16 activations on a CPU with
+ten bf16 rows against 4-bit codes and 8-bit ones in Q8_0's form by integer dot products where
+the CPU has AVX-512 VNNI, x quantized to int8 per weight group, quant_row.h) and, for bf16 activations on a CPU with
 native bf16 products, decoded to bf16 once per call and multiplied on AMX tiles or AVX-512 BF16
 dot products for more (quant_tiles.cpp)."""
 
@@ -35,8 +35,9 @@ TILE_ROWS: dict[int, tuple[int, int | None, bool]] = {
     0: (1 << 30, 0, False),
 }
 """path -> (tiles_min_rows, tiles_max_rows or None for no limit, bf16 panels above that). 4-bit
-weights of a supported group take quant_row.h's int8 products first, up to ``int8_rows`` rows (on
-AMX 1.06-1.21x the tiles at 5-6 rows, 0.79-0.89x at 8)."""
+weights of a supported group take quant_row.h's int8 products first, up to the rows its rule
+gives (``QuantLinearKernel.int8_row_range``: on AMX 1.06-1.21x the tiles at 5-6 rows, 0.79-0.89x
+at 8; on AVX-512 BF16 alone 4-bit codes to 10 rows, see quant_row.h)."""
 PANEL_BYTES = 8 << 20
 """The large-batch path decodes this much of a weight (fp32) at a time: a panel that stays in
 cache while torch's GEMM reads it."""
@@ -141,13 +142,13 @@ class QuantLinearKernel:
         self._dequant.argtypes = [ptr, ptr, ptr, ptr, i, i, i, i, i, i, i, i, ptr, i]
         self.max_rows = int(lib.quant_linear_max_rows())
         self.int8_rows = int(lib.quant_linear_int8_rows())
-        """The most rows of bf16 x that go to 4-bit weights as int8 (0: none here)."""
+        """The most rows of bf16 x that can go to the weights as int8 (0: none here)."""
         self._int8_applies = lib.quant_linear_int8_applies
         self._int8_applies.restype = i
-        self._int8_applies.argtypes = [i, i, i, i]
-        self._int8_forms: dict[tuple[int, bool, int, bool], int] = {}
-        """The C rule's answer (the fewest rows it takes, 0: none) per (bits, fp8, group,
-        symmetric), asked once each."""
+        self._int8_applies.argtypes = [i, i, i, i, ctypes.POINTER(i)]
+        self._int8_forms: dict[tuple[int, bool, int, bool], tuple[int, int]] = {}
+        """The C rule's answer (the fewest and the most rows it takes, (0, 0): none) per
+        (bits, fp8, group, symmetric), asked once each."""
         self._panel = torch.empty(0)
         self.tiles = tiles
         self.int8 = int8
@@ -182,19 +183,27 @@ class QuantLinearKernel:
     def quantizes_x(self, x: torch.Tensor, w: QuantizedWeight) -> bool:
         """Whether this call multiplies bf16 x quantized to int8 (symmetric, per weight group,
         max|x| / 127, rounded to nearest even) by W's codes as integers: a decode step's few
-        rows against 4-bit codes (1-6 rows), as vLLM's CPU AWQ / GPTQ path (IPEX's
-        WoqLowpMode.INT8) and llama.cpp's Q8_0 activations do, or against 8-bit codes in Q8_0's
-        form (symmetric, groups of 32; 2-6 rows), as llama.cpp's Q8_0 x Q8_0 product."""
-        m = x.shape[0]
-        if x.dtype != torch.bfloat16 or m > self.int8_rows:
+        rows against 4-bit codes (1-6 rows; 1-10 where the tiles are AVX-512 BF16 dot
+        products), as vLLM's CPU AWQ / GPTQ path (IPEX's WoqLowpMode.INT8) and llama.cpp's Q8_0
+        activations do, or against 8-bit codes in Q8_0's form (symmetric, groups of 32; 2-6
+        rows), as llama.cpp's Q8_0 x Q8_0 product."""
+        if x.dtype != torch.bfloat16 or x.shape[0] > self.int8_rows:
             return False
+        fewest, most = self.int8_row_range(w)
+        return 0 < fewest <= x.shape[0] <= most
+
+    def int8_row_range(self, w: QuantizedWeight) -> tuple[int, int]:
+        """The fewest and the most rows of bf16 x that ``w`` multiplies as int8 ((0, 0):
+        none), the C rule's answer for its form, asked once a form."""
         fmt = w.fmt
         symmetric = fmt.zero == 0 and not fmt.offsets
         form = (fmt.bits, bool(fmt.fp8), fmt.group(w.shape[1]), symmetric)
-        fewest = self._int8_forms.get(form)
-        if fewest is None:
-            fewest = self._int8_forms[form] = int(self._int8_applies(*form))
-        return 0 < fewest <= m
+        rows = self._int8_forms.get(form)
+        if rows is None:
+            most = ctypes.c_int(0)
+            fewest = int(self._int8_applies(*form, ctypes.byref(most)))
+            rows = self._int8_forms[form] = (fewest, most.value if fewest else 0)
+        return rows
 
     def rounds_weights_to_bf16(self, x: torch.Tensor, w: QuantizedWeight) -> bool:
         """Whether this call multiplies x by W rounded to bf16 (else by W exactly)."""

@@ -1,4 +1,4 @@
-// A few rows of bf16 x (decode steps of one to QR_MAX_X streams) against 4-bit weights
+// A few rows of bf16 x (decode steps of one to ten streams) against 4-bit weights
 // (quant_layout.h) by 8-bit integer dot products: y = x W^T (+ bias), W read as stored, for
 // groups of 32 or 64 inputs or a multiple of 128, on CPUs with AVX-512 VNNI.
 //
@@ -37,6 +37,7 @@
 
 #include <immintrin.h>
 
+#include "amx_common.h"
 #include "cpu_common.h"
 #include "quant_layout.h"
 
@@ -47,13 +48,10 @@ constexpr int ROW_CHUNK = 128;  // inputs per 64 bytes of 4-bit codes
 #define QR_ROWS 4  // rows of W a pass over the rows of x
 #endif
 constexpr int QR_BLOCK = 16;  // rows of W a thread takes at a time
-// Rows of x this path takes (more: quant_linear.cpp's register paths, or on AMX the tiles of
-// quant_tiles.cpp). Each pair of rows of x costs its dot products and scaling a chunk, the
-// decoding is shared; 30 layers of SmolLM2's shapes, two threads, on the Xeon: against the
-// register path 1.63x (int4) / 1.91x (Q4_1) at one row, 1.5x / 1.5x at four; against the
-// AMX tiles 1.18x / 1.21x at five, 1.10x / 1.06x at six, 0.89x / 0.79x at eight.
+// Rows of x this path can take (more: quant_linear.cpp's register paths, or the bf16 tiles of
+// quant_tiles.cpp where the CPU has bf16 products); row_max_rows says how many it does take.
 #ifndef QR_MAX_X
-#define QR_MAX_X 6
+#define QR_MAX_X 10
 #endif
 
 // 8-bit codes in Q8_0's form (signed, symmetric, groups of 32: GGUF's Q8_0, llama.cpp's Q8_0 x
@@ -74,8 +72,21 @@ inline bool row_applies(const Layout& L) {
 // 1. SmolLM2's 49152 x 576 Q8_0 LM head in the served model on a 2-core Zen 4 (ad-hoc, one
 // build after the other): 2.6 -> 1.0 ms at 2 rows, 3.7 -> 2.2-2.8 at 4, 4.7 -> 2.7-3.4 at 6;
 // at one row quant_linear.cpp's exact register path reads it at ~33 GB/s (0.95 ms), what this
-// VM's memory gives, and this path was no faster.
+// VM's memory gives, and this path was no faster (again after the span pass: 1.8 against 1.6).
 inline int row_min_rows(const Layout& L) { return L.bits == 8 ? 2 : 1; }
+
+// The most rows of x it takes. Each pair of rows of x costs its dot products and scaling a
+// chunk, the decoding is shared, against the bf16 tiles' one decoding a call. On AMX, 30 layers
+// of SmolLM2's shapes, two threads, on a Xeon: 1.18x / 1.21x the tiles at five rows (int4 /
+// Q4_1), 1.10x / 1.06x at six, 0.89x / 0.79x at eight. Where the tiles are AVX-512 BF16 dot
+// products (a 2-core Zen 4, the span pass, the best of five alternations): the same layers in
+// Q4_1 at 7 / 8 / 9 / 10 / 11 / 12 rows took 0.79 / 0.87 / 0.92 / 0.96 / 1.01 / 1.11x the tiles'
+// time, so 4-bit codes go to 10 rows there; the Q8_0 LM head at 6 / 7 rows 0.93 / 0.97x, and
+// 8-bit codes keep six everywhere, as measured first.
+inline int row_max_rows(const Layout& L) {
+  const int most = best_bf16_path() == 1 && L.bits == 4 ? 10 : 6;
+  return std::min(most, QR_MAX_X);
+}
 
 // 16 values (mask: those that exist) as fp32.
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }

@@ -294,12 +294,15 @@ void rows_dp(const Call& c, const uint16_t* blks, int b0, int t0) {
   }
 }
 
+// Every row of x against NBK decoded blocks: 8 rows a pass, the rest in passes of 4, 2 and 1
+// (one pass a row cost 7 rows of SmolLM2's Q4_1 layers 1.35x 8 rows' time on a Zen 4).
 template <int NBK>
 void sweep_dp(const Call& c, const uint16_t* blks, int b0) {
-  constexpr int R = 8;
   int t = 0;
-  for (; t + R <= c.m; t += R) rows_dp<R, NBK>(c, blks, b0, t);
-  for (; t < c.m; ++t) rows_dp<1, NBK>(c, blks, b0, t);
+  for (; t + 8 <= c.m; t += 8) rows_dp<8, NBK>(c, blks, b0, t);
+  if (t + 4 <= c.m) rows_dp<4, NBK>(c, blks, b0, t), t += 4;
+  if (t + 2 <= c.m) rows_dp<2, NBK>(c, blks, b0, t), t += 2;
+  if (t < c.m) rows_dp<1, NBK>(c, blks, b0, t);
 }
 
 void run_path1(const Call& c, int threads) {
