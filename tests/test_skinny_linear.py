@@ -31,6 +31,22 @@ def test_matches_float64_linear(kernel, rows, n, k, bias):
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13, 32])
+@pytest.mark.parametrize(("n", "k"), [(1536, 576), (577, 99), (7, 1031)])
+def test_bf16_is_the_fp32_product_rounded_once(kernel, rows, n, k):
+    """bf16 x and W (AVX-512 BF16 dot products where the 16-lane build has them: one row of W
+    a pass up to their rows, four above; fp32 arithmetic elsewhere), a bias, weight rows past a
+    multiple of 16 and inputs past a multiple of 32: within one bf16 rounding of the fp32 sum."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    out = kernel(x, w, b)
+    exact = F.linear(x.double(), w.double(), b.double())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-4 * k)
+
+
 def test_bf16_rounds_once_like_torch(kernel):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(3, 576, generator=gen).bfloat16()
@@ -57,6 +73,28 @@ def test_rows_beyond_the_kernel_are_refused_not_miscomputed():
     assert not kernel.applies(torch.randn(33, 32), w)
     assert not kernel.applies(torch.randn(2, 32).bfloat16(), w)
     assert kernel.applies(torch.randn(2, 32), w)
+
+
+def test_bf16_dot_products_take_the_fewest_rows_and_onednn_the_rest():
+    """With AVX-512 BF16 and no AMX tiles (``bf16_dot``), bf16 layers keep their oneDNN packing
+    and give the kernel's dot products the steps of at most ``bf16_dot_rows`` rows."""
+    kernel = load_skinny_linear_kernel()
+    layer = Linear(576, 300, bias=True).to(torch.bfloat16)
+    layer.pack()
+    packed = layer.packed
+    taken = use_skinny_linears(layer, kernel, native_bf16=True, bf16_dot=True)
+    assert taken == (1 if kernel.bf16_dot_rows else 0)
+    assert layer.packed is packed and not layer.fp32_panels
+    assert use_skinny_linears(layer, kernel, native_bf16=True) == 0  # AMX tiles: not these
+    if not taken:
+        pytest.skip("no AVX-512 BF16 dot products in this build")
+    layer.skinny = spy = RowSpy(kernel)
+    gen = torch.Generator().manual_seed(5)
+    for rows in (1, 2, 3, 4, 8, 40):
+        x = torch.randn(rows, 576, generator=gen).bfloat16()
+        exact = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+        torch.testing.assert_close(layer(x).float(), exact, rtol=2**-7, atol=2e-2)
+    assert spy.rows == [r for r in (1, 2, 3, 4, 8, 40) if r <= kernel.bf16_dot_rows]
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])

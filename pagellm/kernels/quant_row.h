@@ -175,25 +175,6 @@ inline void row_prologue(const RowCall& call, int n, float* s, int x_stride, __m
   }
 }
 
-// Lane sums of 16 vectors: lane j of the result sums v[j]'s lanes (45 shuffles and adds for the
-// 16 rows of a block, where a horizontal sum per row took about 8 each).
-inline __m512 sum_lanes16(const __m512* v) {
-  __m512 a[8], b[4];
-  for (int j = 0; j < 8; ++j)  // 128-bit lane q: v2j q0+q2, v2j+1 q0+q2, v2j q1+q3, v2j+1 q1+q3
-    a[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
-                         _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-  for (int j = 0; j < 4; ++j) {  // 128-bit lane q: the sums over q of v4j .. v4j+3
-    const __m512d x = _mm512_castps_pd(a[2 * j]), y = _mm512_castps_pd(a[2 * j + 1]);
-    b[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
-                                  _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
-  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
-                                  _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
-}
-
 // Lane p of a chunk's products sums inputs of block p / 4: its group, counted from the chunk's
 // first, is p / 4 for groups of 32 inputs, p / 8 for 64.
 template <int G>

@@ -127,6 +127,92 @@ BlockFn block_fn(int mb) {
 
 constexpr int MAX_ROWS = 32;  // past this torch's GEMM catches up
 
+#if defined(__AVX512BF16__) && PAGELLM_VEC_WIDTH == 16
+#define SK_BF16_DOT 1
+// bf16 W and x where the CPU has AVX-512 BF16 (Zen 4 / Zen 5): VDPBF16PS multiplies 32 inputs
+// of a row of W by the same 32 of a row of x into 16 fp32 lanes (pairs summed), and a thread
+// takes 16 rows of W at a time and sums their lanes together at the end (one transposing
+// reduction and one store of 16 outputs a row of x). W is read as stored.
+//
+// Where such a CPU has no AMX, torch's bf16 GEMM (oneDNN, weights packed once) read the weights
+// of SmolLM2's 30 layers at 19 GB/s at one row of x (a 2-core Zen 4 whose memory streams ~29-35
+// GB/s). Here, one row of W at a time (one stream a thread: four rows of W side by side read at
+// 22 GB/s, one at 27-29), they take 7.2-7.9 ms against oneDNN's 11.1 at one row and 8.4
+// against 11.7 at two; from four rows on oneDNN is as fast or faster (4: 10.0 against 9.8, 8:
+// 12.3 against 11.6, 16: 16.7 against 14.7; there four rows of W a pass, which share each load
+// of x, beat one), so this path takes at most DOT_MAX_ROWS rows.
+constexpr int DOT_BLOCK = 16;  // rows of W a thread takes at a time
+constexpr int DOT_MAX_ROWS = 3;
+#ifndef SK_DOT_PREFETCH_ROWS
+#define SK_DOT_PREFETCH_ROWS 8
+#endif
+
+// Rows [n, n + R) of W against rows [x0, x0 + XR) of x, per lane, into acc[row of x][16] (from
+// the block's first row of W). W's rows are fetched ahead on the first pass over them (x0 0).
+template <int XR, int R>
+void dot_pass(const uint16_t* x, const uint16_t* w, int k, int x0, int n, __m512* acc) {
+  __m512 a[XR][R];
+  for (int i = 0; i < XR; ++i)
+    for (int r = 0; r < R; ++r) a[i][r] = _mm512_setzero_ps();
+  const uint16_t* wr[R];
+  const uint16_t* xr[XR];
+  for (int r = 0; r < R; ++r) wr[r] = w + static_cast<int64_t>(n + r) * k;
+  for (int i = 0; i < XR; ++i) xr[i] = x + static_cast<int64_t>(x0 + i) * k;
+  const int64_t ahead = x0 == 0 ? static_cast<int64_t>(SK_DOT_PREFETCH_ROWS) * k : 0;
+  const int whole = k - k % 32;
+  auto step = [&](int c, __mmask32 mask, bool full) {
+    __m512bh wv[R];
+    for (int r = 0; r < R; ++r) {
+      if (ahead && c % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(wr[r] + ahead + c), _MM_HINT_T0);
+      wv[r] = reinterpret_cast<__m512bh>(full ? _mm512_loadu_si512(wr[r] + c) : _mm512_maskz_loadu_epi16(mask, wr[r] + c));
+    }
+    for (int i = 0; i < XR; ++i) {
+      const __m512bh xv = reinterpret_cast<__m512bh>(full ? _mm512_loadu_si512(xr[i] + c) : _mm512_maskz_loadu_epi16(mask, xr[i] + c));
+      for (int r = 0; r < R; ++r) a[i][r] = _mm512_dpbf16_ps(a[i][r], xv, wv[r]);
+    }
+  };
+  for (int c = 0; c < whole; c += 32) step(c, ~__mmask32{0}, true);
+  if (whole < k) step(whole, static_cast<__mmask32>((1u << (k - whole)) - 1), false);
+  for (int i = 0; i < XR; ++i)
+    for (int r = 0; r < R; ++r) acc[(x0 + i) * DOT_BLOCK + r] = a[i][r];
+}
+
+// Rows [n, n + R) of W against every row of x: passes of 4, 2 and 1 rows of x.
+template <int R>
+void dot_rows(const uint16_t* x, const uint16_t* w, int m, int k, int n, __m512* acc) {
+  int x0 = 0;
+  for (; x0 + 4 <= m; x0 += 4) dot_pass<4, R>(x, w, k, x0, n, acc);
+  if (x0 + 2 <= m) dot_pass<2, R>(x, w, k, x0, n, acc), x0 += 2;
+  if (x0 < m) dot_pass<1, R>(x, w, k, x0, n, acc);
+}
+
+int run_bf16_dot(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int m,
+                 int n_out, int k, int threads) {
+  if (m < 1 || m > MAX_ROWS) return 3;
+  const int blocks = (n_out + DOT_BLOCK - 1) / DOT_BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int b = 0; b < blocks; ++b) {
+    const int n0 = b * DOT_BLOCK, rows = std::min(DOT_BLOCK, n_out - n0);
+    __m512 acc[MAX_ROWS * DOT_BLOCK];
+    int r = 0;
+    if (m > DOT_MAX_ROWS)  // (tests: the larger steps' pass)
+      for (; r + 4 <= rows; r += 4) dot_rows<4>(x, w, m, k, n0 + r, acc + r);
+    for (; r < rows; ++r) dot_rows<1>(x, w, m, k, n0 + r, acc + r);
+    for (int i = 0; i < m; ++i)
+      for (int t = rows; t < DOT_BLOCK; ++t) acc[i * DOT_BLOCK + t] = _mm512_setzero_ps();
+    const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
+    __m512 b16 = _mm512_setzero_ps();
+    if (bias) b16 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16));
+    for (int i = 0; i < m; ++i) {
+      const __m512 y = _mm512_add_ps(sum_lanes16(acc + i * DOT_BLOCK), b16);
+      _mm256_mask_storeu_epi16(out + static_cast<int64_t>(i) * n_out + n0, mask,
+                               reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(y)));
+    }
+  }
+  return 0;
+}
+#endif
+
 // Each thread takes whole RW-row slices of W and applies them to every XB-row block of x while
 // they are in L1: W is read from memory once whatever the number of rows.
 template <typename T>
@@ -159,6 +245,11 @@ extern "C" int skinny_linear(int dtype_code,  // 0 = float32, 1 = bfloat16
                static_cast<const float*>(bias), static_cast<float*>(out), m, n, k, num_threads);
   }
   if (dtype_code == 1) {
+#if defined(SK_BF16_DOT)
+    return run_bf16_dot(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w),
+                        static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), m, n, k,
+                        num_threads);
+#endif
     return run(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w),
                static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), m, n, k,
                num_threads);
@@ -166,7 +257,18 @@ extern "C" int skinny_linear(int dtype_code,  // 0 = float32, 1 = bfloat16
   return 2;
 }
 
+// The most rows of x the kernel computes (every path).
 extern "C" int skinny_linear_max_rows() { return MAX_ROWS; }
+
+// The most rows of bf16 x its AVX-512 BF16 dot products are for (0: bf16 is read and computed
+// in fp32, for at most skinny_linear_max_rows()).
+extern "C" int skinny_linear_bf16_dot_rows() {
+#if defined(SK_BF16_DOT)
+  return DOT_MAX_ROWS;
+#else
+  return 0;
+#endif
+}
 
 // Entries for a captured step's list of calls (packed_call.h).
 PAGELLM_PACKED(skinny_linear)

@@ -23,11 +23,20 @@ class SkinnyLinearKernel:
         fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
         self._fn = fn
         self.max_rows = int(lib.skinny_linear_max_rows())
+        self.bf16_dot_rows = int(lib.skinny_linear_bf16_dot_rows())
+        """The most rows of bf16 x taken where bf16 goes to AVX-512 BF16 dot products (0: it
+        is computed in fp32, up to ``max_rows``; skinny_linear.cpp says why so few)."""
+
+    def rows_for(self, dtype: torch.dtype) -> int:
+        """The most rows of x of this dtype the kernel takes."""
+        if dtype == torch.bfloat16 and self.bf16_dot_rows:
+            return self.bf16_dot_rows
+        return self.max_rows
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return (
             x.dim() == 2
-            and 0 < x.shape[0] <= self.max_rows
+            and 0 < x.shape[0] <= self.rows_for(x.dtype)
             and x.dtype == weight.dtype
             and weight.dtype in _DTYPE_CODES
             and x.device.type == "cpu"

@@ -7,7 +7,9 @@ this model's GEMMs. In float32 a step of at most 32 tokens goes to ``SkinnyLinea
 which streams each weight on every core (torch's GEMM reads it on one: 1.6-5x slower here);
 larger steps keep ``F.linear``. On a CPU with AMX a bf16 step of at most 32 tokens goes to
 ``Bf16TilesKernel``, which reads the weight as stored straight into tiles (oneDNN's packed
-GEMM reaches 11-20 GB/s of weight on so few rows; the tiles 19-26). On a CPU without bf16 products (AVX2) oneDNN emulates bf16
+GEMM reaches 11-20 GB/s of weight on so few rows; the tiles 19-26). With AVX-512 BF16 and no AMX
+(Zen 4 / Zen 5) a bf16 step of at most 3 tokens goes to the few-rows kernel's bf16 dot products
+(oneDNN read the weights at ~19 GB/s there, the kernel ~27-29). On a CPU without bf16 products (AVX2) oneDNN emulates bf16
 GEMMs, 3-5x slower than fp32 ones: there bf16 weights are not packed, at most 32 tokens go to
 the same few-rows kernel (bf16 read, fp32 arithmetic) and more to torch's fp32 GEMM over
 cache-sized panels of the weight widened to fp32. In batch-invariant mode every step goes to
@@ -94,11 +96,16 @@ def pack_linears(model: nn.Module) -> int:
 
 
 def use_skinny_linears(
-    model: nn.Module, kernel: SkinnyLinearKernel | None, native_bf16: bool = True
+    model: nn.Module,
+    kernel: SkinnyLinearKernel | None,
+    native_bf16: bool = True,
+    bf16_dot: bool = False,
 ) -> int:
     """Give every float32 ``Linear`` of ``model`` the few-rows kernel, and every bf16 one too
     where the CPU has no bf16 products (``native_bf16`` False: those drop their oneDNN packing
-    and take fp32 panels for larger steps); returns how many."""
+    and take fp32 panels for larger steps) or where ``bf16_dot`` (the caller has no AMX tiles
+    for them) and the kernel has AVX-512 BF16 dot products (those keep their packing for larger
+    steps); returns how many."""
     if kernel is None:
         return 0
     count = 0
@@ -108,6 +115,9 @@ def use_skinny_linears(
         if m.weight.dtype == torch.bfloat16 and not native_bf16:
             m.packed = None
             m.fp32_panels = True
+        elif m.weight.dtype == torch.bfloat16:
+            if not (bf16_dot and kernel.bf16_dot_rows):
+                continue
         elif m.weight.dtype != torch.float32:
             continue
         m.skinny = kernel

@@ -161,8 +161,11 @@ def _load(
         ops = load_decode_ops()
         if ops is not None and DecodeOps.supports(dtype):
             use_row_ops(model, CpuRowOps(ops))
-        use_skinny_linears(model, load_skinny_linear_kernel(), cpu_has_native_bf16())
-        use_tile_linears(model, load_bf16_tiles_kernel())
+        tiles = load_bf16_tiles_kernel()
+        use_skinny_linears(
+            model, load_skinny_linear_kernel(), cpu_has_native_bf16(), bf16_dot=tiles is None
+        )
+        use_tile_linears(model, tiles)
         use_quant_kernel(model, load_quant_linear_kernel())
     return model
 
