@@ -164,7 +164,7 @@ inline void row_prologue(const RowCall& call, int n, float* s, int x_stride, __m
   for (int g = 0; g < L.groups(); g += 16) {
     const __m512 ws = group_values16(L, L.scales, n, g);
     const __m512 off = L.offsets ? group_values16(L, L.offsets, n, g) : _mm512_setzero_ps();
-    const __m512 zero = L.bits == 8 ? _mm512_set1_ps(128.f) : group_zeros16(L, n, g);
+    const __m512 zero = group_zeros16(L, n, g);
     for (int i = 0; i < call.m; ++i) {
       const __m512 st = _mm512_mul_ps(ws, _mm512_loadu_ps(call.x_scale(i) + g));
       _mm512_storeu_ps(s + i * x_stride + g, st);
