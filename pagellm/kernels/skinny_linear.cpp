@@ -195,7 +195,7 @@ int run_bf16_dot(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uin
     const int n0 = b * DOT_BLOCK, rows = std::min(DOT_BLOCK, n_out - n0);
     __m512 acc[MAX_ROWS * DOT_BLOCK];
     int r = 0;
-    if (m > DOT_MAX_ROWS)  // (tests: the larger steps' pass)
+    if (m > DOT_MAX_ROWS)  // more rows than the layers send here (tests do): 4 rows of W a pass
       for (; r + 4 <= rows; r += 4) dot_rows<4>(x, w, m, k, n0 + r, acc + r);
     for (; r < rows; ++r) dot_rows<1>(x, w, m, k, n0 + r, acc + r);
     for (int i = 0; i < m; ++i)
