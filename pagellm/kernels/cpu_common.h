@@ -5,7 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX512DQ__)
+#if defined(__AVX512DQ__) || defined(__AVX512BW__)
 #include <immintrin.h>
 #endif
 
@@ -104,6 +104,14 @@ inline __m512 sum_lanes16(const __m512* v) {
   const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
                                   _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+}
+#endif
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+// 16 values (mask: those that exist) as fp32.
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 #endif
 

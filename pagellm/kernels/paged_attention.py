@@ -40,12 +40,6 @@ class PagedDecodeKernel:
         )
         self._fn = fn
 
-    @property
-    def has_amx(self) -> bool:
-        """This CPU and build run bf16 calls (plain cache, head_dim a multiple of 32, at least
-        one 32-row item per thread) on AMX tiles."""
-        return self.tile_products == "AMX"
-
     @staticmethod
     def supports(dtype: torch.dtype, kv_code: int = 0) -> bool:
         return dtype in _DTYPE_CODES and kv_code in _KV_CODES

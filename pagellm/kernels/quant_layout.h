@@ -43,8 +43,8 @@ struct Layout {
   int k;
   int group;
   // k / group, divided once: groups() is asked per row and group in the kernels' inner loops,
-  // where an integer division each time cost a Q4_1 decode step's linear layers about half
-  // their time on a Zen 4 (~20 cycles an idiv, several a row).
+  // an integer division each time (30 layers of SmolLM2's shapes at one row on a Zen 4, ad-hoc:
+  // FP8 8.9 -> 6.3 ms; Q4_1, Q8_0 and per-channel int8 within the noise).
   int n_groups = group > 0 ? k / group : 0;
 
   int groups() const { return n_groups; }

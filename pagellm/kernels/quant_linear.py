@@ -187,7 +187,7 @@ class QuantLinearKernel:
         products), as vLLM's CPU AWQ / GPTQ path (IPEX's WoqLowpMode.INT8) and llama.cpp's Q8_0
         activations do, or against 8-bit codes in Q8_0's form (symmetric, groups of 32; 2-6
         rows), as llama.cpp's Q8_0 x Q8_0 product."""
-        if x.dtype != torch.bfloat16 or x.shape[0] > self.int8_rows:
+        if x.dtype != torch.bfloat16:
             return False
         fewest, most = self.int8_row_range(w)
         return 0 < fewest <= x.shape[0] <= most

@@ -88,12 +88,6 @@ inline int row_max_rows(const Layout& L) {
   return std::min(most, QR_MAX_X);
 }
 
-// 16 values (mask: those that exist) as fp32.
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
 // One row of x (k inputs, groups of `group`) as int8 in chunk order [chunks][2][64] (dst zeroed
 // by the caller), or in input order where `natural` (8-bit codes), with each group's scale, sum
 // of int8 values and sum of x.

@@ -138,52 +138,45 @@ constexpr int MAX_ROWS = 32;  // past this torch's GEMM catches up
 // of SmolLM2's 30 layers at 19 GB/s at one row of x (a 2-core Zen 4 whose memory streams ~29-35
 // GB/s). Here, one row of W at a time (one stream a thread: four rows of W side by side read at
 // 22 GB/s, one at 27-29), they take 7.2-7.9 ms against oneDNN's 11.1 at one row and 8.4
-// against 11.7 at two; from four rows on oneDNN is as fast or faster (4: 10.0 against 9.8, 8:
-// 12.3 against 11.6, 16: 16.7 against 14.7; there four rows of W a pass, which share each load
-// of x, beat one), so this path takes at most DOT_MAX_ROWS rows.
+// against 11.7 at two; from four rows on oneDNN is as fast or faster (even with four rows of W a
+// pass sharing each load of x: 4: 10.0 against 9.8, 8: 12.3 against 11.6, 16: 16.7 against
+// 14.7), so the layers send this path at most DOT_MAX_ROWS rows (it computes up to MAX_ROWS).
 constexpr int DOT_BLOCK = 16;  // rows of W a thread takes at a time
 constexpr int DOT_MAX_ROWS = 3;
 #ifndef SK_DOT_PREFETCH_ROWS
 #define SK_DOT_PREFETCH_ROWS 8
 #endif
 
-// Rows [n, n + R) of W against rows [x0, x0 + XR) of x, per lane, into acc[row of x][16] (from
-// the block's first row of W). W's rows are fetched ahead on the first pass over them (x0 0).
-template <int XR, int R>
+// Row n of W against rows [x0, x0 + XR) of x, per lane, into acc[row of x][16] (from the block's
+// first row of W). W's rows are fetched ahead on the first pass over them (x0 0).
+template <int XR>
 void dot_pass(const uint16_t* x, const uint16_t* w, int k, int x0, int n, __m512* acc) {
-  __m512 a[XR][R];
-  for (int i = 0; i < XR; ++i)
-    for (int r = 0; r < R; ++r) a[i][r] = _mm512_setzero_ps();
-  const uint16_t* wr[R];
+  __m512 a[XR];
+  for (int i = 0; i < XR; ++i) a[i] = _mm512_setzero_ps();
+  const uint16_t* wr = w + static_cast<int64_t>(n) * k;
   const uint16_t* xr[XR];
-  for (int r = 0; r < R; ++r) wr[r] = w + static_cast<int64_t>(n + r) * k;
   for (int i = 0; i < XR; ++i) xr[i] = x + static_cast<int64_t>(x0 + i) * k;
   const int64_t ahead = x0 == 0 ? static_cast<int64_t>(SK_DOT_PREFETCH_ROWS) * k : 0;
   const int whole = k - k % 32;
   auto step = [&](int c, __mmask32 mask, bool full) {
-    __m512bh wv[R];
-    for (int r = 0; r < R; ++r) {
-      if (ahead && c % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(wr[r] + ahead + c), _MM_HINT_T0);
-      wv[r] = reinterpret_cast<__m512bh>(full ? _mm512_loadu_si512(wr[r] + c) : _mm512_maskz_loadu_epi16(mask, wr[r] + c));
-    }
+    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(wr + ahead + c), _MM_HINT_T0);
+    const __m512bh wv = reinterpret_cast<__m512bh>(full ? _mm512_loadu_si512(wr + c) : _mm512_maskz_loadu_epi16(mask, wr + c));
     for (int i = 0; i < XR; ++i) {
       const __m512bh xv = reinterpret_cast<__m512bh>(full ? _mm512_loadu_si512(xr[i] + c) : _mm512_maskz_loadu_epi16(mask, xr[i] + c));
-      for (int r = 0; r < R; ++r) a[i][r] = _mm512_dpbf16_ps(a[i][r], xv, wv[r]);
+      a[i] = _mm512_dpbf16_ps(a[i], xv, wv);
     }
   };
   for (int c = 0; c < whole; c += 32) step(c, ~__mmask32{0}, true);
   if (whole < k) step(whole, static_cast<__mmask32>((1u << (k - whole)) - 1), false);
-  for (int i = 0; i < XR; ++i)
-    for (int r = 0; r < R; ++r) acc[(x0 + i) * DOT_BLOCK + r] = a[i][r];
+  for (int i = 0; i < XR; ++i) acc[(x0 + i) * DOT_BLOCK] = a[i];
 }
 
-// Rows [n, n + R) of W against every row of x: passes of 4, 2 and 1 rows of x.
-template <int R>
-void dot_rows(const uint16_t* x, const uint16_t* w, int m, int k, int n, __m512* acc) {
+// Row n of W against every row of x: passes of 4, 2 and 1 rows of x.
+void dot_row(const uint16_t* x, const uint16_t* w, int m, int k, int n, __m512* acc) {
   int x0 = 0;
-  for (; x0 + 4 <= m; x0 += 4) dot_pass<4, R>(x, w, k, x0, n, acc);
-  if (x0 + 2 <= m) dot_pass<2, R>(x, w, k, x0, n, acc), x0 += 2;
-  if (x0 < m) dot_pass<1, R>(x, w, k, x0, n, acc);
+  for (; x0 + 4 <= m; x0 += 4) dot_pass<4>(x, w, k, x0, n, acc);
+  if (x0 + 2 <= m) dot_pass<2>(x, w, k, x0, n, acc), x0 += 2;
+  if (x0 < m) dot_pass<1>(x, w, k, x0, n, acc);
 }
 
 int run_bf16_dot(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int m,
@@ -194,15 +187,11 @@ int run_bf16_dot(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uin
   for (int b = 0; b < blocks; ++b) {
     const int n0 = b * DOT_BLOCK, rows = std::min(DOT_BLOCK, n_out - n0);
     __m512 acc[MAX_ROWS * DOT_BLOCK];
-    int r = 0;
-    if (m > DOT_MAX_ROWS)  // more rows than the layers send here (tests do): 4 rows of W a pass
-      for (; r + 4 <= rows; r += 4) dot_rows<4>(x, w, m, k, n0 + r, acc + r);
-    for (; r < rows; ++r) dot_rows<1>(x, w, m, k, n0 + r, acc + r);
+    for (int r = 0; r < rows; ++r) dot_row(x, w, m, k, n0 + r, acc + r);
     for (int i = 0; i < m; ++i)
       for (int t = rows; t < DOT_BLOCK; ++t) acc[i * DOT_BLOCK + t] = _mm512_setzero_ps();
     const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
-    __m512 b16 = _mm512_setzero_ps();
-    if (bias) b16 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16));
+    const __m512 b16 = bias ? load16(bias + n0, mask) : _mm512_setzero_ps();
     for (int i = 0; i < m; ++i) {
       const __m512 y = _mm512_add_ps(sum_lanes16(acc + i * DOT_BLOCK), b16);
       _mm256_mask_storeu_epi16(out + static_cast<int64_t>(i) * n_out + n0, mask,
