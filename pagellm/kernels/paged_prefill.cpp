@@ -468,24 +468,6 @@ bool amx_softmax_step(float* st, float* pt, int n, int mask_k0, const vf* posv, 
 #endif
 
 #if defined(PP_TILES)
-// K and V rows of keys [lo, hi), from wherever their blocks lie, into L2: the key tile after the
-// one being computed (1.1x on 30 layers of 10 tokens over 6000 cached keys with 32-key steps;
-// two tiles ahead, or into L1, no better; with 64-key steps none, one or two ahead alike).
-template <typename C>
-void prefetch_keys(const Args& a, const C* kc, const C* vc, const int32_t* table,
-                   int64_t head_base, int lo, int hi) {
-  const int64_t row_bytes = static_cast<int64_t>(a.head_dim) * sizeof(C);
-  for (int key = lo; key < hi; key += a.block_size - key % a.block_size) {
-    const int64_t off = (head_base + static_cast<int64_t>(table[key / a.block_size]) *
-                                         a.block_size + key % a.block_size) * a.head_dim;
-    const int64_t bytes = std::min(a.block_size - key % a.block_size, hi - key) * row_bytes;
-    for (int64_t b = 0; b < bytes; b += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(kc + off) + b, 0, 1);
-      __builtin_prefetch(reinterpret_cast<const char*>(vc + off) + b, 0, 1);
-    }
-  }
-}
-
 #ifndef PP_VA_KEYS
 #define PP_VA_KEYS 64
 #endif
@@ -665,9 +647,6 @@ void attend_item(const Args& a, const Item& it, Scratch& s, Partials& partials) 
 #endif
   for (int k0 = it.key_lo; k0 < kv_end; k0 += key_step) {
     const int n = std::min(key_step, kv_end - k0);
-#if defined(PP_TILES)
-    if (amx) prefetch_keys(a, kc, vc, table, head_base, k0 + key_step, std::min(kv_end, k0 + 2 * key_step));
-#endif
 #if defined(PP_TILES)
     if constexpr (bf16) {
       if (amx) {
