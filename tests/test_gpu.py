@@ -1,6 +1,6 @@
 """What runs on CUDA GPUs: greedy outputs on a GPU equal the CPU's (fp32) with chunked prefill,
 prefix-cache hits and both kinds of preemption (swap copies blocks between the card and pinned
-host memory); the KV cache is sized from --gpu-memory-utilization; with two GPUs or more,
+host memory), with dense and with int4 / int8 weights kept quantized; the KV cache is sized from --gpu-memory-utilization; with two GPUs or more,
 tensor and pipeline parallelism over NCCL equal one GPU, and a rank that is killed, raises or
 hangs fails the step without taking rank 0 down.
 Skipped on machines without a GPU (CI); run with ``pytest -m gpu`` where one is."""
@@ -43,6 +43,15 @@ def test_greedy_on_the_gpu_equals_the_cpu(tiny_models, preemption_mode):
     model = tiny_models("llama")
     cpu = _greedy(model, device="cpu", preemption_mode=preemption_mode)
     assert _greedy(model, device="cuda", preemption_mode=preemption_mode) == cpu
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_quantized_greedy_on_the_gpu_equals_the_cpu(tiny_models, method):
+    """Weights kept quantized on the card, computed by the Triton GEMM (fp32 products):
+    the CPU kernel's greedy tokens."""
+    model = tiny_models("llama")
+    cpu = _greedy(model, device="cpu", quantization=method)
+    assert _greedy(model, device="cuda", quantization=method) == cpu
 
 
 def _blocks_within(model, share: float) -> int:

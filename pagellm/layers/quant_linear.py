@@ -97,7 +97,8 @@ class QuantPart(nn.Module):
             return self._w8a8(x, w)
         if self.kernel is not None and self.kernel.applies(x):
             return self.kernel(x, w)
-        # no kernel (no compiler, or a GPU): the reference dequantization each call
+        # no kernel (no compiler, no Triton, groups it does not take): the reference
+        # dequantization each call
         return F.linear(x, w.dequantize().to(device=x.device, dtype=x.dtype))
 
     def _w8a8(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
@@ -220,7 +221,8 @@ class QuantEmbedding(nn.Module):
 
 
 def use_quant_kernel(model: nn.Module, kernel) -> int:
-    """Give every quantized part of ``model`` the CPU kernel; returns how many parts."""
+    """Give every quantized part of ``model`` the kernel of its device (the C++ one on a CPU,
+    the Triton one on a GPU) where it supports the part's groups; returns how many parts."""
     if kernel is None:
         return 0
     parts = {id(m): m for m in model.modules() if isinstance(m, QuantPart)}

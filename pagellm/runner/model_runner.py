@@ -167,6 +167,10 @@ def _load(
         )
         use_tile_linears(model, tiles)
         use_quant_kernel(model, load_quant_linear_kernel())
+    elif device.type == "cuda":
+        from pagellm.kernels.triton_quant import load_triton_quant_kernel
+
+        use_quant_kernel(model, load_triton_quant_kernel(device))
     return model
 
 
