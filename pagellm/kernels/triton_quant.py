@@ -33,7 +33,9 @@ except ImportError:  # pragma: no cover - Triton is optional (CUDA installs brin
     tl = None
 
 BLOCK_K = 32
-"""Inputs per step of the GEMM: a group (and a 4-bit block of 32) holds whole steps."""
+"""The fewest inputs per step of the GEMM (a 4-bit block): a group holds whole steps."""
+WIDEST_K = 128
+"""The most inputs per step (the largest of 128 / 64 / 32 that divides the group)."""
 INT_MM_MIN_ROWS = 32
 """Rows ``torch._int_mm`` gets at least (cuBLASLt's int8 GEMM takes more than 16)."""
 
@@ -117,6 +119,15 @@ if triton is not None:
         )
 
 
+def _block_k(group: int) -> int:
+    """Inputs per GEMM step: as many as a group holds, up to WIDEST_K (fewer steps, wider
+    loads; a step must lie in one group)."""
+    k = WIDEST_K
+    while group % k:
+        k //= 2
+    return k
+
+
 def _block_sizes(m: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): decode steps' few rows take the smallest tile tl.dot has (16) and
     wide column blocks; prefill's many rows square ones."""
@@ -178,7 +189,7 @@ class TritonQuantLinearKernel:
             BITS=fmt.bits, FP8=fmt.fp8, GROUP=group, ZERO=fmt.zero or 0,
             ZEROS=w.zeros is not None, OFFSETS=w.offsets is not None,
             IEEE=x.dtype == torch.float32,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_block_k(group),
         )  # fmt: skip
         return y
 
