@@ -126,12 +126,14 @@ def test_every_fp8_code_decodes_as_the_reference():
 
 
 @pytest.mark.parametrize("rows", [1, 31, 40])
-def test_w8a8_multiplies_int8_codes_as_integers(rows):
+@pytest.mark.parametrize("outputs", [64, 100])
+def test_w8a8_multiplies_int8_codes_as_integers(rows, outputs):
     """compressed-tensors' W8A8: x per token to int8 (as the CPU path), integer products
-    (rows padded to what cuBLASLt takes), then x's scale and the row's."""
+    (rows padded to what cuBLASLt takes; 100 outputs, not a multiple of 8, through the GEMM
+    on the codes), then x's scale and the row's."""
     torch.manual_seed(rows)
     fmt = QuantFormat("w8a8", bits=8, group_size=0, act_int8=True)
-    w = quantize(torch.randn(64, 96), fmt)
+    w = quantize(torch.randn(outputs, 96), fmt)
     x = torch.randn(rows, 96)
     got = TritonQuantLinearKernel(DEVICE).w8a8(x.to(DEVICE), _on_device(w), row_scales(w))
     codes, scales = quantize_activations_int8(x)

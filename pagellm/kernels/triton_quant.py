@@ -13,7 +13,7 @@ on the card is computed quantized instead of dequantizing every weight on every 
   vLLM's dynamic FP8 activations) and ``torch._scaled_mm`` with the row and column scales.
 - W8A8 int8 (compressed-tensors' dynamic per-token scheme): x quantized per token to int8 as on
   the CPU, ``torch._int_mm`` of the codes (rows padded to 32: cuBLASLt takes more than 16) and
-  both scales after.
+  both scales after; outputs not a multiple of 8 take the GEMM above (the codes, exact in fp32).
 
 Triton runs on the CPU under ``TRITON_INTERPRET=1``, and ``torch._scaled_mm`` / ``_int_mm``
 have CPU implementations: the tests check every path there without a GPU.
@@ -142,7 +142,7 @@ class TritonQuantLinearKernel:
     """``x @ W^T`` for weights kept quantized on a GPU (see the module docstring).
     ``device_type`` is the device whose tensors it takes ("cuda"; "cpu" in the tests, under
     the Triton interpreter); ``fp8_products``: send per-row FP8 to ``torch._scaled_mm`` (a
-    card of compute capability 8.9 or more)."""
+    Hopper card: row-wise scales)."""
 
     def __init__(self, device_type: str = "cuda", fp8_products: bool = False) -> None:
         if triton is None:
@@ -210,6 +210,8 @@ class TritonQuantLinearKernel:
         """A W8A8 weight (``fmt.act_int8``): x's per-token int8 codes times W's codes as
         integers, then the token's scale and the row's."""
         codes, scales = quantize_activations_int8(x)
+        if w.shape[0] % 8:  # cuBLASLt's int8 GEMM takes multiples of 8 (the inputs are: groups)
+            return (self.dequant_matmul(codes, w) * scales).to(x.dtype)
         m = codes.shape[0]
         rows = max(m, INT_MM_MIN_ROWS)
         a = torch.zeros(rows, codes.shape[1], device=x.device, dtype=torch.int8)
