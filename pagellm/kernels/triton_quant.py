@@ -49,11 +49,13 @@ if triton is not None:
     @triton.jit
     def _e4m3(b):
         # an E4M3 byte's value by arithmetic (no FP8 type: cards before sm_89 have none):
-        # subnormal m / 8 * 2^-6, normal (1 + m / 8) * 2^(e - 7); 0x7F / 0xFF (NaN, which no
-        # loader accepts) come out as +-480
+        # subnormal m / 8 * 2^-6, normal (8 + m) * 2^(e - 10) with the power of two made from
+        # its exponent bits (exact; exp2 may be approximate); 0x7F / 0xFF (NaN, which no loader
+        # accepts) come out as +-480
         e = (b >> 3) & 15
         m = (b & 7).to(tl.float32)
-        magnitude = tl.where(e == 0, m * 0.001953125, (m + 8.0) * tl.exp2((e - 10).to(tl.float32)))
+        power = ((e + 117) << 23).to(tl.float32, bitcast=True)
+        magnitude = tl.where(e == 0, m * 0.001953125, (m + 8.0) * power)
         return tl.where(b >= 128, -magnitude, magnitude)
 
     @triton.jit
