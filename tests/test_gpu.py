@@ -1,8 +1,9 @@
 """What runs on CUDA GPUs: greedy outputs on a GPU equal the CPU's (fp32) with chunked prefill,
 prefix-cache hits and both kinds of preemption (swap copies blocks between the card and pinned
-host memory), with dense and with int4 / int8 weights kept quantized; the KV cache is sized from --gpu-memory-utilization; with two GPUs or more,
-tensor and pipeline parallelism over NCCL equal one GPU, and a rank that is killed, raises or
-hangs fails the step without taking rank 0 down.
+host memory), with dense weights and with int4 / int8 ones kept quantized; the KV cache is
+sized from --gpu-memory-utilization; with two GPUs or more, tensor and pipeline parallelism
+over NCCL equal one GPU, and a rank that is killed, raises or hangs fails the step without
+taking rank 0 down.
 Skipped on machines without a GPU (CI); run with ``pytest -m gpu`` where one is."""
 
 from __future__ import annotations
