@@ -247,7 +247,9 @@ inline void soft_dp(__m512 (&c)[R], const uint16_t* a, int64_t a_stride, const u
   }
 }
 
-// The same for two C tiles that share A (B0 into c0, B1 into c1): each broadcast serves both.
+// The same for two C tiles that share A (B0 into c0, B1 into c1): each broadcast serves both
+// (each product taking its pair from memory as an embedded {1to16} broadcast instead: 2x the
+// kernel's time on a Zen 4, 10 tokens over 7000 keys).
 template <int R>
 inline void soft_dp2(__m512 (&c0)[R], __m512 (&c1)[R], const uint16_t* a, int64_t a_stride,
                      const uint16_t* b0, const uint16_t* b1) {
