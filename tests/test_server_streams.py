@@ -140,3 +140,47 @@ def test_echo_is_refused_clearly(server):
     body = {"model": MODEL_NAME, "prompt": "x", "echo": True}
     r = httpx.post(f"{server}/v1/completions", json=body, headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        ("completions", "suffix", "end"),
+        ("completions", "best_of", 3),
+        ("completions", "prompt_logprobs", 1),
+        ("completions", "truncate_prompt_tokens", 4),
+        ("completions", "bad_words", ["x"]),
+        ("completions", "use_beam_search", True),
+        ("completions", "include_stop_str_in_output", True),
+        ("chat/completions", "echo", True),
+        ("chat/completions", "chat_template", "{{ messages }}"),
+        ("chat/completions", "chat_template_kwargs", {"enable_thinking": False}),
+        ("chat/completions", "continue_final_message", True),
+        ("chat/completions", "add_generation_prompt", False),
+        ("chat/completions", "bad_words", ["x"]),
+    ],
+)
+def test_vllm_fields_not_implemented_are_refused_not_ignored(server, path, field, value):
+    """A field that would change the answer, served as if absent, would answer something
+    else than asked: a 400 naming it."""
+    body = {"model": MODEL_NAME, "max_tokens": 2, field: value}
+    body |= (
+        {"prompt": "x"}
+        if path == "completions"
+        else {"messages": [{"role": "user", "content": "x"}]}
+    )
+    r = httpx.post(f"{server}/v1/{path}", json=body, headers=AUTH)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field and "not supported" in r.json()["error"]["message"]
+
+
+def test_vllm_fields_at_their_unset_values_are_served(server):
+    """What clients send by default (vLLM's benchmark sends best_of 1) changes nothing."""
+    unset = {"best_of": 1, "suffix": None, "bad_words": [], "use_beam_search": False,
+             "include_stop_str_in_output": False, "unknown_field": 5}  # fmt: skip
+    r = httpx.post(f"{server}/v1/completions", headers=AUTH,
+                   json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, **unset})  # fmt: skip
+    assert r.status_code == 200, r.text
+    chat = {"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}],
+            "add_generation_prompt": True, "chat_template_kwargs": {}, "echo": False}  # fmt: skip
+    assert httpx.post(f"{server}/v1/chat/completions", json=chat, headers=AUTH).status_code == 200

@@ -447,6 +447,7 @@ class _Context:
         self._check_model(body.model)
         if body.echo:
             raise APIError(400, "echo is not supported", param="echo")
+        _refuse_unsupported(body)
         prompts = _prompt_list(body.prompt)
         self._check_seqs(len(prompts), body.n)
         constraint, source = body.output_constraint()
@@ -505,6 +506,7 @@ class _Context:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
+        _refuse_unsupported(body)
         s = self.settings
         plan = plan_tools(body, s.enable_auto_tool_choice, s.tool_call_parser)
         constraint, source = body.output_constraint()
@@ -685,6 +687,14 @@ async def _merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """A 400 naming a vLLM / OpenAI field the request sets that pagellm does not implement
+    (served as if absent, it would answer something else than asked)."""
+    name = body.unsupported_field()
+    if name is not None:
+        raise APIError(400, f"{name} is not supported", param=name)
 
 
 def _prompt_list(prompt: Any) -> list[str | list[int]]:

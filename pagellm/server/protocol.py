@@ -8,7 +8,7 @@ no tokenizer or metric takes), lists and strings of bounded size. Anything else 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -78,6 +78,18 @@ class ResponseFormat(_Strict):
 
 
 class _Common(_Strict):
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "suffix": (None, ""),
+        "prompt_logprobs": (None,),
+        "truncate_prompt_tokens": (None,),
+        "bad_words": (None, []),
+        "use_beam_search": (None, False),
+        "include_stop_str_in_output": (None, False),
+    }
+    """vLLM / OpenAI request fields pagellm does not implement, and the values that mean
+    "unset": a request giving another value is refused (a 400 naming the field) instead of
+    served as if the field were absent. ``best_of`` is refused above ``n``."""
+
     model: Text | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = 1.0
@@ -140,6 +152,19 @@ class _Common(_Strict):
             structured_outputs=structured,
         )
 
+    def unsupported_field(self) -> str | None:
+        """The first field of ``UNSUPPORTED`` (or ``best_of`` above ``n``) this request sets
+        to a value that would change its answer, or None."""
+        extra = self.model_extra or {}
+        for name, value in extra.items():
+            unset = self.UNSUPPORTED.get(name)
+            if unset is not None and not any(_same(value, u) for u in unset):
+                return name
+        best_of = extra.get("best_of")
+        if best_of is not None and not (isinstance(best_of, int) and best_of <= self.n):
+            return "best_of"
+        return None
+
     def output_constraint(self) -> tuple[StructuredOutputsParams | None, str]:
         """The request's structured-output constraint from ``structured_outputs``,
         ``response_format`` or a ``guided_*`` field, and that field's name; more than one of
@@ -175,6 +200,11 @@ class _Common(_Strict):
                 f"give one structured-output constraint, not several ({names})", found[1][0]
             )
         return (found[0][1], found[0][0]) if found else (None, "structured_outputs")
+
+
+def _same(value: Any, unset: Any) -> bool:
+    """JSON equality that keeps booleans apart from numbers (``1`` is not ``true``)."""
+    return type(value) is type(unset) and value == unset
 
 
 def _constraint(param: str, **fields: Any) -> StructuredOutputsParams:
@@ -250,6 +280,14 @@ class NamedToolChoice(_Strict):
 
 
 class ChatCompletionRequest(_Common):
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **_Common.UNSUPPORTED,
+        "echo": (None, False),
+        "chat_template": (None,),
+        "chat_template_kwargs": (None, {}),
+        "continue_final_message": (None, False),
+        "add_generation_prompt": (None, True),
+    }
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
