@@ -175,7 +175,8 @@ def test_vllm_fields_not_implemented_are_refused_not_ignored(server, path, field
 
 
 def test_vllm_fields_at_their_unset_values_are_served(server):
-    """What clients send by default (vLLM's benchmark sends best_of 1) changes nothing."""
+    """Fields at their unset values (a client may send best_of 1, add_generation_prompt true)
+    change nothing; unknown fields are ignored."""
     unset = {"best_of": 1, "suffix": None, "bad_words": [], "use_beam_search": False,
              "include_stop_str_in_output": False, "unknown_field": 5}  # fmt: skip
     r = httpx.post(f"{server}/v1/completions", headers=AUTH,
