@@ -24,7 +24,12 @@ from pagellm.kernels.triton_quant import (  # noqa: E402
     load_triton_quant_kernel,
 )
 from pagellm.layers.quant_linear import QuantPart, use_quant_kernel  # noqa: E402
-from pagellm.quant.formats import FP8_MAX, QuantFormat, quantize_activations_int8  # noqa: E402
+from pagellm.quant.formats import (  # noqa: E402
+    FP8_MAX,
+    QuantFormat,
+    QuantizedWeight,
+    quantize_activations_int8,
+)
 from pagellm.quant.online import fp8_format, int8_format, quantize  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -44,8 +49,6 @@ FORMATS = {
 
 
 def _on_device(w):
-    from pagellm.quant.formats import QuantizedWeight
-
     moved = (t.to(DEVICE) if t is not None else None for t in w._tensors())
     return QuantizedWeight(w.fmt, *moved)
 
@@ -113,8 +116,6 @@ def test_fp8_products_quantize_x_per_token_onto_448(dtype, rows):
 def test_every_fp8_code_decodes_as_the_reference():
     """The GEMM decodes E4M3 bytes by arithmetic: each of the 254 codes that are not NaN,
     subnormals and both zeros included, read back through an identity x."""
-    from pagellm.quant.formats import QuantizedWeight
-
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
     q = torch.zeros(codes.numel(), 32, dtype=torch.uint8)
     q[:, 0] = codes  # row r holds code r at input 0, zeros (code 0) elsewhere

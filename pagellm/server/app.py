@@ -445,8 +445,6 @@ class _Context:
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
-        if body.echo:
-            raise APIError(400, "echo is not supported", param="echo")
         _refuse_unsupported(body)
         prompts = _prompt_list(body.prompt)
         self._check_seqs(len(prompts), body.n)

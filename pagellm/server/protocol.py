@@ -79,6 +79,7 @@ class ResponseFormat(_Strict):
 
 class _Common(_Strict):
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "echo": (None, False),  # no prompt logprobs to echo with
         "suffix": (None, ""),
         "prompt_logprobs": (None,),
         "truncate_prompt_tokens": (None,),
@@ -217,7 +218,6 @@ def _constraint(param: str, **fields: Any) -> StructuredOutputsParams:
 class CompletionRequest(_Common):
     prompt: Text | list[Text] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
 
 
 class TextPart(_Strict):
@@ -282,7 +282,6 @@ class NamedToolChoice(_Strict):
 class ChatCompletionRequest(_Common):
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_Common.UNSUPPORTED,
-        "echo": (None, False),
         "chat_template": (None,),
         "chat_template_kwargs": (None, {}),
         "continue_final_message": (None, False),
