@@ -151,7 +151,24 @@ def test_chunks_deep_in_a_prompt_fill_the_prefill_kernels_items():
     plain = ChunkPolicy.from_config(config, 64.0)
     items = ChunkPolicy.from_config(config, 64.0, quantum=5)
     assert [plain.chunk_while_decoding(p) for p in (0, 32, 64, 192, 640)] == [16, 10, 8, 4, 1]
-    # before the crossover the linear layers dominate: no rounding; past it, whole items
+    # attention counted per item begun; from the crossover on whole items, at least one even
+    # where its attention alone passes the budget
     assert [items.chunk_while_decoding(p) for p in (0, 32, 64, 192, 640)] == [16, 10, 5, 5, 5]
     wide = ChunkPolicy.from_config(SchedulerConfig(long_prefill_decode_budget=40), 64.0, 5)
     assert [wide.chunk_while_decoding(p) for p in (0, 64, 128, 192)] == [40, 20, 10, 10]
+
+
+def test_a_chunk_does_not_begin_an_item_it_cannot_pay_for():
+    # SmolLM2's shapes on AVX-512: budget 24, crossover ~3072, items of 10 tokens. 2000 deep,
+    # 13 tokens (24 / 1.65) were two items, 13 + 2 x 10 x 0.65 = 26 > 24: now one item of 10.
+    policy = ChunkPolicy.from_config(SchedulerConfig(long_prefill_decode_budget=24), 3072.0, 10)
+    assert policy.chunk_while_decoding(2000) == 10
+    assert policy.chunk_while_decoding(1000) == 17  # two items fit: 17 + 2 x 10 x 0.33 < 24
+    assert policy.chunk_while_decoding(0) == 24
+    small = ChunkPolicy.from_config(SchedulerConfig(long_prefill_decode_budget=4), 3072.0, 10)
+    assert small.chunk_while_decoding(0) == 4  # no attention at position 0: no item to fill
+    assert policy.chunk_while_decoding(7000) == 10
+    for pos in range(0, 8000, 50):
+        n = policy.chunk_while_decoding(pos)
+        items = -(-n // 10)
+        assert n == 10 or n + items * 10 * pos / 3072 <= 24
