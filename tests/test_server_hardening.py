@@ -114,6 +114,7 @@ CLIENT_ERRORS = [
     ("/detokenize", b'{"tokens": [100000000000000000000000]}'),
     ("/tokenize", b'{"prompt": "\\udcff"}'),
     ("/tokenize", b'{}'),
+    ("/tokenize", b'{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}'),
 ]  # fmt: skip
 
 
@@ -121,6 +122,32 @@ CLIENT_ERRORS = [
 def test_client_input_that_gave_a_500_is_a_400_error_object(server, path, body):
     _assert_error(_post(server, path, body), 400)
     _assert_serving(server)
+
+
+CONSTRAINT_CONFLICTS = [
+    ({"guided_regex": "[^\\s\\S]"}, "admits no output"),
+    ({"guided_choice": ["a"], "min_tokens": 8, "n": 2}, "min_tokens=8"),
+    ({"guided_choice": ["yes"], "allowed_token_ids": [0]}, "allowed_token_ids"),
+]
+
+
+@pytest.mark.parametrize(("fields", "why"), CONSTRAINT_CONFLICTS)
+def test_settings_no_output_can_meet_are_400_streamed_or_not(server, fields, why):
+    """They were 500s ("the grammar rejected a token"); streamed, the error event says 400."""
+    body = {"prompt": "x", "max_tokens": 10, "temperature": 0, **fields}
+    assert why in _assert_error(_post(server, "/v1/completions", body), 400)["message"]
+    streamed = _post(server, "/v1/completions", {**body, "stream": True})
+    events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    errors = [json.loads(e)["error"] for e in events[:-1] if "error" in json.loads(e)]
+    assert events[-1] == "[DONE]" and len(errors) == 1, streamed.text
+    assert errors[0]["type"] == "invalid_request_error" and why in errors[0]["message"]
+    _assert_serving(server)
+
+
+def test_error_params_name_the_field(server):
+    too_long = _post(server, "/v1/completions", {"prompt": [5] * 5000})
+    assert _assert_error(too_long, 400)["param"] == "prompt"
+    assert _assert_error(_post(server, "/v1/completions", b'{"prompt": }'), 400)["param"] is None
 
 
 def test_unknown_paths_and_methods_answer_error_objects(server):

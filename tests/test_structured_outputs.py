@@ -16,6 +16,7 @@ from llm_helpers import MIXED_PROMPTS, greedy, tiny_llm
 from schema_gen import schemas
 
 from pagellm import SamplingParams
+from pagellm.engine.errors import RequestRejected
 from pagellm.structured.params import StructuredOutputError, StructuredOutputsParams
 
 pytestmark = pytest.mark.timeout(600)
@@ -291,3 +292,77 @@ def test_grammar_cache_is_bounded_by_bytes(llm):
     compiler.compile_now(first)
     assert len(compiled) == 3
     compiler.shutdown()
+
+
+def test_settings_that_leave_the_grammar_no_token_fail_alone_as_bad_requests(llm):
+    """The sampler leaves no token the grammar admits (min_tokens past the grammar's end,
+    allowed_token_ids outside it) or the grammar admits nothing: the request ends with a
+    client error saying which; a request beside it runs on."""
+    engine = llm.engine
+    cases = {
+        "min": (SamplingParams(max_tokens=10, min_tokens=8, n=2, temperature=0,
+                               structured_outputs=StructuredOutputsParams(choice=["a"])),
+                "min_tokens=8"),
+        "allowed": (SamplingParams(max_tokens=5, temperature=0, allowed_token_ids=[0],
+                                   structured_outputs=StructuredOutputsParams(choice=["yes"])),
+                    "allowed_token_ids"),
+        "empty": (constrained(0, regex=r"[^\s\S]"), "admits no output"),
+    }  # fmt: skip
+    rejected = {}
+    for rid, (params, _) in cases.items():
+        try:
+            engine.add_request(rid, "x", params)
+        except RequestRejected as exc:  # compiled at once (a cached grammar): refused at once
+            rejected[rid] = str(exc)
+    engine.add_request("fine", "y", greedy([8])[0])
+    finished = run_engine(engine)
+    for rid, (_, match) in cases.items():
+        if rid in rejected:
+            assert match in rejected[rid]
+            continue
+        assert finished[rid].error_is_bad_request, finished[rid].error
+        assert match in finished[rid].error
+    assert finished["fine"].error is None
+    assert len(finished["fine"].outputs[0].token_ids) == 8
+    assert not engine.has_unfinished_requests()
+    # the empty language's grammar is cached now: the same constraint is refused at once
+    with pytest.raises(RequestRejected, match="admits no output"):
+        engine.add_request("empty-again", "x", constrained(0, regex=r"[^\s\S]"))
+    assert not engine.has_unfinished_requests()
+
+
+def test_remote_refs_are_refused_and_tool_refs_resolve_inside_their_tool(llm):
+    from pagellm.structured.tools import tool_constraint
+
+    compiler = llm.engine.structured.compiler
+    with pytest.raises(StructuredOutputError, match="not local"):
+        compiler.compile_now(StructuredOutputsParams(json={"$ref": "http://127.0.0.1:1/x.json"}))
+    city = {
+        "$defs": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+        "type": "object",
+        "properties": {"c": {"$ref": "#/$defs/city"}},
+        "required": ["c"],
+    }
+    tools = [
+        {"name": "other", "parameters": {"type": "object"}},
+        {"name": "loc", "parameters": city},
+    ]
+    required = tool_constraint(tools, "required")
+    assert compiler.compile_now(required) is not None  # "#/$defs/city" found in its tool
+    only_loc = tool_constraint(tools[1:], "required", parallel_tool_calls=False)
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=300, structured_outputs=only_loc)
+        for i in range(8)
+    ]
+    outs = [o.outputs[0] for o in llm.generate(["x"] * 8, params, use_tqdm=False)]
+    calls = [json.loads(o.text)[0] for o in outs if o.finish_reason == "stop"]
+    assert calls, [o.text[:80] for o in outs]
+    assert all(c["name"] == "loc" and c["parameters"]["c"] in ("Paris", "Rome") for c in calls)
+    # "#" is the tool's own schema, not the wrapper: a self-reference is circular everywhere
+    selfref = [{"name": "f", "parameters": {"$ref": "#"}}]
+    for constraint in (
+        tool_constraint(selfref, "required"),
+        tool_constraint(selfref, {"name": "f"}),
+    ):
+        with pytest.raises(StructuredOutputError, match="Circular"):
+            compiler.compile_now(constraint)

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pagellm.engine.errors import RequestRejected
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.outputs import RequestOutput
 from pagellm.engine.sampling_params import SamplingParams
@@ -210,6 +211,8 @@ class AsyncLLMEngine:
                 out, error = stream.take()
                 if out is not None:
                     finished = out.finished
+                    if out.error is not None and out.error_is_bad_request:
+                        raise RequestRejected(out.error)
                     if out.error is not None:
                         raise RequestFailed(out.error)
                     yield out

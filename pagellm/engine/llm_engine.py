@@ -198,6 +198,10 @@ class LLMEngine:
             group.seqs.append(_Sequence(req, detok, [] if params.logprobs is not None else None))
         if params.structured_outputs is not None:
             self._start_grammars(group, params.structured_outputs)
+            if self._grammars_ready(group) and (why := self._admits_no_output(group)):
+                for seq in group.seqs:
+                    self._forget_grammar(seq.request.request_id)
+                raise RequestRejected(why)
         self._groups[request_id] = group
         for seq in group.seqs:
             self._seq_to_group[seq.request.request_id] = group
@@ -252,11 +256,48 @@ class LLMEngine:
             why = self.structured.error(group.seqs[0].request.request_id)
             if why is not None:
                 del self._compiling[request_id]
-                outputs.append(self._fail(request_id, why))
+                outputs.append(self._fail(request_id, why, bad_request=True))
             elif self._grammars_ready(group):
                 del self._compiling[request_id]
-                self._schedule_group(group)
+                if why := self._admits_no_output(group):
+                    outputs.append(self._fail(request_id, why, bad_request=True))
+                else:
+                    self._schedule_group(group)
         return outputs
+
+    def _admits_no_output(self, group: _Group) -> str | None:
+        """Why no output can satisfy the group's constraint (its grammar admits no first
+        token), or None."""
+        assert self.structured is not None
+        if self.structured.admitted(group.seqs[0].request.request_id).tokens:
+            return None
+        return (
+            "the structured output constraint admits no output at all "
+            "(a regex or grammar whose language is empty?)"
+        )
+
+    def _conflict(self, req: Request) -> str:
+        """Why the grammar rejected a sampled token: only when every token it admits was
+        excluded by the request's other settings (the sampler applies its bitmask)."""
+        assert self.structured is not None
+        options = self.structured.admitted(req.request_id)
+        params = req.params
+        if options.tokens == 0:
+            return "the structured output constraint admits no token here: it cannot be completed"
+        if options.only_end and params.min_tokens:
+            return (
+                f"the structured output is complete after fewer than min_tokens="
+                f"{params.min_tokens} tokens, and min_tokens keeps it from ending"
+            )
+        if params.allowed_token_ids is not None:
+            return (
+                f"none of the {options.tokens} tokens the structured output constraint admits "
+                "here is in allowed_token_ids"
+            )
+        return (
+            "no token satisfies both the structured output constraint and the request's "
+            "other sampling settings"
+        )
 
     def _allowed_proposal(self, seq_id: str, proposal: list[int] | None) -> int | None:
         """How many proposed tokens a constrained sequence may verify (None: unconstrained;
@@ -278,10 +319,16 @@ class LLMEngine:
             self.stats.structured_mask_seconds += self.clock() - start
             self.stats.structured_mask_steps += 1
 
-    def _advance_grammars(self, touched: list[tuple[Request, int]], failed: dict[str, str]):
+    def _advance_grammars(
+        self,
+        touched: list[tuple[Request, int]],
+        failed: dict[str, str],
+        bad_requests: set[str],
+    ) -> None:
         """Feed each constrained sequence its new tokens; one the grammar rejects, or whose
         matching takes too long (it would stall every step), fails its request; one whose
-        grammar is complete stops."""
+        grammar is complete stops. A rejected token means the request's settings left no token
+        the grammar admits: its request goes into ``bad_requests`` (a client error)."""
         structured = self.structured
         if structured is None or not structured.active():
             return
@@ -294,10 +341,12 @@ class LLMEngine:
             why = structured.over_budget(seq_id)
             if not accepted or why is not None:
                 group = self._seq_to_group.get(seq_id)
-                if group is not None:
-                    failed.setdefault(
-                        group.request_id, why or f"the grammar rejected a token of {new}"
-                    )
+                if group is None or group.request_id in failed:
+                    continue
+                if why is None:
+                    why = self._conflict(req)
+                    bad_requests.add(group.request_id)
+                failed[group.request_id] = why
             elif structured.is_terminated(seq_id) and not req.is_finished:
                 self.scheduler.finish_request(seq_id, FinishReason.STOP)
 
@@ -390,7 +439,8 @@ class LLMEngine:
         self.stats.execute_seconds += self.clock() - before_execute
         failed = self._groups_of(result.failed)
         touched = self.scheduler.update(sched, result)
-        self._advance_grammars(touched, failed)
+        bad_requests: set[str] = set()
+        self._advance_grammars(touched, failed, bad_requests)
         groups: dict[str, _Group] = {}
         for req, num_new in touched:
             group = self._seq_to_group.get(req.request_id)
@@ -405,7 +455,10 @@ class LLMEngine:
         outputs = [
             self._finish_or_snapshot(g) for g in groups.values() if g.request_id not in failed
         ]
-        outputs += [self._fail(request_id, why) for request_id, why in failed.items()]
+        outputs += [
+            self._fail(request_id, why, bad_request=request_id in bad_requests)
+            for request_id, why in failed.items()
+        ]
         outputs += admitted
         self.stats.busy_seconds += self.clock() - start
         return outputs
@@ -419,12 +472,15 @@ class LLMEngine:
                 out.setdefault(group.request_id, why)
         return out
 
-    def _fail(self, request_id: str, why: str) -> RequestOutput:
+    def _fail(self, request_id: str, why: str, bad_request: bool = False) -> RequestOutput:
         """End a whole request (all n sequences) for a fault of its own; its output carries
-        the error, and nothing else in the batch is touched."""
+        the error (``bad_request``: what it asked cannot be done), and nothing else in the
+        batch is touched."""
         group = self._end_group(request_id, FinishReason.ERROR)
         assert group is not None
-        return make_output(group, True, error=why)
+        out = make_output(group, True, error=why)
+        out.error_is_bad_request = bad_request
+        return out
 
     def _process_tokens(
         self, group: _Group, req: Request, num_new: int, result: RunnerOutput

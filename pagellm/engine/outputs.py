@@ -115,6 +115,9 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     """Set (with ``finished``) when this request failed on its own fault; others run on."""
+    error_is_bad_request: bool = False
+    """The error is in what the request asked (settings no output can meet, a constraint
+    that does not compile): a client error, not a failure to serve it."""
 
 
 @dataclass(slots=True)

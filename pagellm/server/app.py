@@ -131,6 +131,8 @@ def build_app(front: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         ctx._check_model(body.model)
+        if body.messages is not None and body.prompt is not None:
+            raise APIError(400, "give 'prompt' or 'messages', not both", param="messages")
         if body.messages is not None:
             ids = await ctx.chat_ids(body.messages)
         elif body.prompt is not None:
@@ -182,8 +184,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-        if first.get("type") == "json_invalid":
-            message = "the request body is not valid JSON"
+        if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+            return error_response(APIError(400, "the request body is not valid JSON"))
         return error_response(APIError(400, message, param=_param_path(first.get("loc", ()))))
 
     @app.exception_handler(ParamError)
@@ -195,8 +197,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(400, str(exc), param=exc.param))
 
     @app.exception_handler(RequestRejected)
-    async def _rejected(_: Request, exc: RequestRejected) -> JSONResponse:
-        return error_response(APIError(400, str(exc), param=exc.param, code=exc.code))
+    async def _rejected(request: Request, exc: RequestRejected) -> JSONResponse:
+        return error_response(
+            APIError(400, str(exc), param=_prompt_param(request, exc.param), code=exc.code)
+        )
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
@@ -215,6 +219,14 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error in a handler")
         return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
+
+
+def _prompt_param(request: Request, param: str | None) -> str | None:
+    """The engine names the prompt ``messages``, as OpenAI's chat errors do; the completions
+    endpoint's prompt is ``prompt``."""
+    if param == "messages" and request.url.path.endswith("/v1/completions"):
+        return "prompt"
+    return param
 
 
 def _param_path(loc) -> str | None:

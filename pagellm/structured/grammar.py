@@ -23,7 +23,11 @@ from typing import Any
 
 import torch
 
-from pagellm.structured.params import StructuredOutputError, StructuredOutputsParams
+from pagellm.structured.params import (
+    StructuredOutputError,
+    StructuredOutputsParams,
+    map_schema_refs,
+)
 
 _LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
 _JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
@@ -67,6 +71,7 @@ class GrammarCompiler:
         self._cache_bytes = cache_bytes
         self.on_compiled = on_compiled
         self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
         self.disable_any_whitespace = disable_any_whitespace
 
     def compile(self, params: StructuredOutputsParams) -> Future:
@@ -122,6 +127,7 @@ class GrammarCompiler:
                 raise StructuredOutputError(f"the JSON schema is not valid JSON: {exc}") from None
             if not isinstance(schema, dict | bool):
                 raise StructuredOutputError("the JSON schema must be an object")
+            map_schema_refs(schema, _local_ref)
             return c.compile_grammar(self._json_schema_grammar(text, any_ws))
         if kind == "json_object":  # an object (xgrammar's built-in JSON also takes arrays)
             return c.compile_grammar(self._json_schema_grammar('{"type": "object"}', any_ws))
@@ -153,9 +159,28 @@ def _compiled_bytes(future: Future) -> int:
     return int(future.result().memory_size_bytes)
 
 
+def _local_ref(ref: str) -> str:
+    """A reference into the schema itself; others (xgrammar would take them as any JSON, with
+    a warning in the log) are refused: nothing is fetched."""
+    if ref != "#" and not ref.startswith("#/"):
+        raise StructuredOutputError(
+            f"the JSON schema's $ref {ref[:200]!r} is not local: only references into the "
+            "schema itself ('#' or '#/...') are supported"
+        )
+    return ref
+
+
 def choice_grammar(choices: list[str]) -> str:
     """EBNF for exactly one of ``choices`` (JSON string escapes are EBNF's too)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarOptions:
+    tokens: int
+    """How many tokens the grammar admits next (0: it cannot go on)."""
+    only_end: bool
+    """It admits only its stop token: the output is complete."""
 
 
 @dataclass(slots=True)
@@ -289,6 +314,17 @@ class StructuredOutputManager:
                 f"(at most {self.max_seconds:g} s)"
             )
         return None
+
+    def admitted(self, seq_id: str) -> GrammarOptions:
+        """What the grammar admits as the sequence's next token, in its present state."""
+        row = torch.empty((1, self._words), dtype=torch.int32)
+        self._entries[seq_id].matcher.fill_next_token_bitmask(row, 0)
+        bits = (row[0].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = bits.flatten()[: self.compiler.vocab_size].nonzero().flatten().tolist()
+        stops = set(self.compiler.stop_token_ids)
+        return GrammarOptions(
+            tokens=len(allowed), only_end=bool(allowed) and all(t in stops for t in allowed)
+        )
 
     def is_terminated(self, seq_id: str) -> bool:
         """The grammar is complete and its stop token accepted: nothing more may follow."""

@@ -7,6 +7,7 @@ whether the constraint compiles is the grammar compiler's call (``pagellm.struct
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,27 @@ MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 1024
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+_SCHEMA_DATA = frozenset({"const", "enum", "default", "examples"})
+"""Keywords whose values are JSON data, not schemas (a ``$ref`` inside is not a reference)."""
+
+
+def map_schema_refs(schema: Any, change: Callable[[str], str]) -> Any:
+    """A copy of a JSON schema with each ``$ref`` replaced by ``change(ref)``."""
+    if isinstance(schema, list):
+        return [map_schema_refs(item, change) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str):
+            out[key] = change(value)
+        elif key in _SCHEMA_DATA:
+            out[key] = value
+        else:
+            out[key] = map_schema_refs(value, change)
+    return out
 
 
 class StructuredOutputError(ValueError):

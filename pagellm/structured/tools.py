@@ -17,7 +17,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagellm.structured.params import StructuredOutputError, StructuredOutputsParams
+from pagellm.structured.params import (
+    StructuredOutputError,
+    StructuredOutputsParams,
+    map_schema_refs,
+)
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -43,22 +47,31 @@ def tool_constraint(
     calls: dict[str, Any] = {
         "type": "array",
         "minItems": 1,
-        "items": {"anyOf": [_call_schema(t) for t in tools]},
+        "items": {"anyOf": [_call_schema(t, f"#/$defs/tool_{i}") for i, t in enumerate(tools)]},
+        "$defs": {f"tool_{i}": _rebased(t, f"#/$defs/tool_{i}") for i, t in enumerate(tools)},
     }
     if not parallel_tool_calls:
         calls["maxItems"] = 1
     return StructuredOutputsParams(json=calls)
 
 
-def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
+def _call_schema(tool: dict[str, Any], parameters_ref: str) -> dict[str, Any]:
     return {
         "type": "object",
         "properties": {
             "name": {"type": "string", "enum": [tool["name"]]},
-            "parameters": tool.get("parameters") or ANY_OBJECT,
+            "parameters": {"$ref": parameters_ref},
         },
         "required": ["name", "parameters"],
     }
+
+
+def _rebased(tool: dict[str, Any], where: str) -> Any:
+    """The tool's parameter schema placed at ``where`` in the wrapper: its own references
+    (``#``, ``#/$defs/...``) are rewritten to point inside it there, so they resolve as they
+    did in the tool's schema alone."""
+    parameters = tool.get("parameters") or ANY_OBJECT
+    return map_schema_refs(parameters, lambda ref: where + ref[1:] if ref.startswith("#") else ref)
 
 
 def template_renders_tools(chat_template: str | None) -> bool:
