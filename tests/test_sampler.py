@@ -10,7 +10,7 @@ import torch
 from pagellm import LLM, SamplingParams
 from pagellm.engine.outputs import ScheduledRequest
 from pagellm.engine.sampling_params import ParamError
-from pagellm.sampling.sampler import Sampler
+from pagellm.sampling.sampler import Sampler, generator_seed
 
 
 def _req(rid="r", seed=0, prompt=(1,), output=(), eos=None, **params) -> ScheduledRequest:
@@ -116,3 +116,17 @@ def test_seeded_requests_ignore_batch_composition(tiny_models):
         use_tqdm=False,
     )[0]
     assert len({tuple(c.token_ids) for c in copies.outputs}) > 1  # copies are independent
+
+
+def test_seeds_differing_only_in_their_high_bits_draw_different_streams():
+    def draws(seed: int) -> list[int]:
+        logits = torch.zeros(1, 1000)
+        req = _req(seed=seed, temperature=1.0)
+        sampler = Sampler()
+        return [sampler.sample(logits, [req]).token_ids[0] for _ in range(4)]
+
+    assert draws(5) != draws(5 + (1 << 32))
+    assert draws(-1) != draws((1 << 63) - 1)
+    assert draws(-1) == draws((1 << 64) - 1)  # the same seed, as int64 and as uint64
+    # seeds below 2**32 keep the streams they had
+    assert generator_seed(5) == 5 and generator_seed((1 << 32) - 1) == (1 << 32) - 1

@@ -219,9 +219,21 @@ class Sampler:
         gen = self._generators.get(req.request_id)
         if gen is None:
             gen = torch.Generator()
-            gen.manual_seed(req.seed)
+            gen.manual_seed(generator_seed(req.seed))
             self._generators[req.request_id] = gen
         return gen
+
+
+def generator_seed(seed: int) -> int:
+    """What a request's seed (an int64, or its uint64 form) seeds torch's CPU generator with.
+    That generator keeps only a seed's low 32 bits, so seeds that differ only above them (-1
+    and 2**63 - 1; 5 and 2**32 + 5) drew the same stream; the high half is hashed into the low
+    one. Seeds below 2**32 are kept as they are."""
+    if not -(1 << 63) <= seed < 1 << 64:
+        raise ValueError(f"seed {seed} is outside int64 / uint64")
+    seed &= (1 << 64) - 1
+    high = seed >> 32
+    return (seed ^ (high * 0x9E3779B1)) & 0xFFFFFFFF
 
 
 def _is_simple(req: ScheduledRequest) -> bool:
