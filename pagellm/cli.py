@@ -151,6 +151,15 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return os.environ.get("PAGELLM_API_KEY") or os.environ.get("VLLM_API_KEY") or None
 
 
+def _add_body_timeout(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--client-body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request body may take to arrive whole; past them, 408 (nginx's name)",
+    )
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
 
     from pagellm.engine.async_engine import AsyncLLMEngine
@@ -174,6 +183,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         max_seqs_per_request=args.max_seqs_per_request,
         metrics_need_key=not args.allow_unauthenticated_metrics,
+        client_body_timeout=args.client_body_timeout,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         disable_ui=args.disable_ui,
@@ -221,6 +231,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         breaker_reset=args.breaker_reset,
         upstream_timeout=args.upstream_timeout,
         max_body_bytes=args.max_body_bytes,
+        client_body_timeout=args.client_body_timeout,
+        metrics_need_key=not args.allow_unauthenticated_metrics,
         backend_api_key=args.backend_api_key,
         config_path=args.config,
         flag_backends=tuple(args.backend),
@@ -325,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-body-bytes", type=int, default=4 << 20, help="larger bodies get 413 (4 MiB)"
     )
+    _add_body_timeout(serve)
     serve.add_argument(
         "--max-num-queued-requests",
         type=int,
@@ -399,7 +412,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--upstream-timeout",
         type=float,
         default=600.0,
-        help="seconds to wait on a replica's answer before answering 502 (never retried)",
+        help="seconds to wait on a replica's answer before answering 504 (never retried)",
+    )
+    _add_body_timeout(gw)
+    gw.add_argument(
+        "--allow-unauthenticated-metrics",
+        action="store_true",
+        help="with keys configured, leave /metrics open (for a Prometheus scraper)",
     )
     gw.add_argument(
         "--max-body-bytes",

@@ -136,10 +136,13 @@ def wait_until(condition, timeout: float = 10.0, what: str = "condition") -> Non
         time.sleep(0.05)
 
 
-def gateway_metric(base: str, prefix: str) -> float:
-    """Sum of the gateway's samples whose line starts with ``prefix`` (name{labels...)."""
+def gateway_metric(base: str, prefix: str, headers: dict[str, str] | None = None) -> float:
+    """Sum of the gateway's samples whose line starts with ``prefix`` (name{labels...);
+    ``headers``: the key of a gateway that has keys."""
+    response = httpx.get(f"{base}/metrics", headers=headers)
+    response.raise_for_status()  # a refused scrape must not read as zeros
     total = 0.0
-    for line in httpx.get(f"{base}/metrics").text.splitlines():
+    for line in response.text.splitlines():
         if line.startswith(prefix):
             total += float(line.rsplit(" ", 1)[1])
     return total

@@ -133,8 +133,9 @@ def test_per_key_concurrency_and_the_keys_tenant_and_priority(two_fakes, tmp_pat
         assert {s["body"]["priority"] for s in seen} == {5}
         assert {s["authorization"] for s in seen} == {f"Bearer {API_KEY}"}  # never the client's key
         counted = 'pagellm_gateway:requests_total{key="team-a",model="fake",'
-        assert gateway_metric(gw, counted + f'replica="{a}",status="200"}}') == 3
-        assert gateway_metric(gw, counted + 'replica="gateway",status="429"}') == 1
+        auth = {"Authorization": "Bearer key-a"}
+        assert gateway_metric(gw, counted + f'replica="{a}",status="200"}}', auth) == 3
+        assert gateway_metric(gw, counted + 'replica="gateway",status="429"}', auth) == 1
 
 
 OVERLOAD_YAML = """
@@ -229,24 +230,32 @@ def test_replicas_and_keys_reload_without_a_restart(tmp_path):
         )
         with running_gateway(extra=("--config", str(cfg))) as gw:
 
-            def models() -> list[str]:
-                return [m["id"] for m in httpx.get(f"{gw}/v1/models").json()["data"]]
+            def models(key: str) -> list[str]:
+                listed = httpx.get(f"{gw}/v1/models", headers={"Authorization": f"Bearer {key}"})
+                if listed.status_code != 200:  # k2 before the reload: 401
+                    return []
+                return [m["id"] for m in listed.json()["data"]]
 
-            assert models() == ["model-a"]
+            assert models("k1") == ["model-a"]
             assert post(gw, {"model": "model-a", "prompt": "x"}, key="k1").status_code == 200
             time.sleep(0.01)  # a new modification time, whatever the file system's resolution
             cfg.write_text(
                 f"backends: [{a}, {b}]\nkeys:\n" + entry.format(name="two", digest=hash_key("k2"))
             )
-            wait_until(lambda: models() == ["model-a", "model-b"], what="the new replica")
+            wait_until(lambda: models("k2") == ["model-a", "model-b"], what="the new replica")
             assert post(gw, {"model": "model-b", "prompt": "x"}, key="k2").status_code == 200
             assert post(gw, {"model": "model-a", "prompt": "x"}, key="k1").status_code == 401
             cfg.write_text(f"backends: [{b}]\nkeys:\n  - {{name: x, color: red}}\n")  # bad
             wait_until(
                 lambda: (
-                    gateway_metric(gw, 'pagellm_gateway:config_reloads_total{result="error"}') == 1
+                    gateway_metric(
+                        gw,
+                        'pagellm_gateway:config_reloads_total{result="error"}',
+                        {"Authorization": "Bearer k2"},
+                    )
+                    == 1
                 ),
                 what="the failed reload",
             )
-            assert models() == ["model-a", "model-b"]  # the running fleet stayed
+            assert models("k2") == ["model-a", "model-b"]  # the running fleet stayed
             assert post(gw, {"model": "model-a", "prompt": "x"}, key="k2").status_code == 200

@@ -182,16 +182,18 @@ async def call(
     leave: asyncio.Event | None = None,
     leave_on_start: bool = False,
     method: str = "POST",
+    body_unfinished: bool = False,
 ) -> Reply:
-    """One HTTP request through the ASGI app: the body in ``chunks`` (or ``payload`` as JSON),
-    a disconnect once ``leave`` is set (or once the response starts)."""
+    """One HTTP request through the ASGI app: the body in ``chunks`` (or ``payload`` as JSON;
+    ``body_unfinished``: more is announced and never comes), a disconnect once ``leave`` is set
+    (or once the response starts)."""
     chunks = chunks if chunks is not None else [json.dumps(payload).encode()]
     reply, finished, leave = Reply(), asyncio.Event(), leave or asyncio.Event()
 
     async def receive() -> dict[str, Any]:
         if reply.read < len(chunks):
             reply.read += 1
-            more = reply.read < len(chunks)
+            more = reply.read < len(chunks) or body_unfinished
             return {"type": "http.request", "body": chunks[reply.read - 1], "more_body": more}
         ends = [asyncio.ensure_future(e.wait()) for e in (finished, leave)]
         try:
@@ -458,14 +460,20 @@ def _read_timeout(request: httpx.Request) -> Exception:
     return httpx.ReadTimeout("no answer in time", request=request)
 
 
-@pytest.mark.parametrize("script", [answer_raising(_read_timeout), _answer_then_break])
-def test_a_replica_that_took_the_request_is_never_retried(script):
+@pytest.mark.parametrize(
+    ("script", "status", "kind"),
+    [
+        (answer_raising(_read_timeout), 504, "timeout_error"),
+        (_answer_then_break, 502, "bad_gateway"),
+    ],
+)
+def test_a_replica_that_took_the_request_is_never_retried(script, status, kind):
     async def scenario() -> None:
         up = Upstream()
         up.script[A] = script
         gw = gateway(up)
         reply = await call(build_gateway_app(gw), PLAIN)
-        assert reply.status == 502 and reply.error["type"]
+        assert reply.status == status and reply.error["type"] == kind
         assert len(up.seen[A]) == 1 and not up.seen[B]  # the work is not done twice
         assert [r.outstanding for r in gw.replicas] == [0, 0]
 
@@ -625,7 +633,7 @@ def test_an_unexpected_error_answers_500_in_the_openai_shape_and_releases_everyt
             raise RuntimeError("boom")
 
         gw.models = broken  # any other route: the app's handler answers in the same shape
-        reply = await call(app, path="/v1/models", chunks=[b""], method="GET")
+        reply = await call(app, path="/v1/models", chunks=[b""], method="GET", headers=BEARER)
         assert reply.status == 500 and reply.error["type"] == "internal_server_error"
 
     run(scenario())
@@ -773,11 +781,11 @@ def test_odd_headers_and_clients_that_leave_leak_no_slot(tmp_path):
         _control(fake, hold=False)
         httpx.post(f"{fake}/control/release").raise_for_status()
         outstanding = f'pagellm_gateway:outstanding{{replica="{fake}"}}'
-        wait_until(lambda: gateway_metric(gw, outstanding) == 0, what="slots back")
+        wait_until(lambda: gateway_metric(gw, outstanding, auth) == 0, what="slots back")
         wait_until(lambda: _fake_log(fake)["in_flight"] == 0, what="the fake idle")
         for _ in range(20):
             assert httpx.post(url, json=body, headers=auth, timeout=30).status_code == 200
-        text = httpx.get(f"{gw}/metrics").text
+        text = httpx.get(f"{gw}/metrics", headers=auth).text
         assert f"{outstanding} 0.0" in text
         assert 'pagellm_gateway:key_in_flight{key="team"} 0.0' in text
         big = httpx.post(url, content=b" " * 30000, headers=auth, timeout=30)
@@ -806,3 +814,67 @@ def test_a_malformed_model_list_leaves_the_health_loop_running(tmp_path):
             r = httpx.post(f"{gw}/v1/completions", json={"model": "fake-b", "prompt": "x"},
                            headers={"Authorization": "Bearer test-key"}, timeout=30)  # fmt: skip
             assert r.status_code == 200
+
+
+# ----- found by a fuzz of the gateway (2026-12-07) -----------------------------------------------
+
+
+def test_max_completion_tokens_on_completions_is_dropped_and_max_tokens_charged():
+    """The completions endpoint reads max_tokens only: a key was charged for
+    max_completion_tokens 1 and served max_tokens 400."""
+    keys = [{"name": "a", "key": KEY, "tokens_per_minute": 300}]
+
+    async def scenario() -> None:
+        up = Upstream()
+        app = build_gateway_app(gateway(up, keys=keys, backends=(A,)))
+        trick = {**PLAIN, "max_completion_tokens": 1, "max_tokens": 400}
+        assert (await call(app, trick, headers=BEARER)).status == 429  # 400 > 300
+        fits = {**PLAIN, "max_completion_tokens": 1, "max_tokens": 20}
+        assert (await call(app, fits, headers=BEARER)).status == 200
+        assert "max_completion_tokens" not in up.seen[A][-1]["body"]
+        chat = {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                "max_completion_tokens": 5}  # fmt: skip
+        assert (await call(app, chat, path="/v1/chat/completions", headers=BEARER)).status == 200
+        assert up.seen[A][-1]["body"]["max_completion_tokens"] == 5  # chat's own field
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("metrics_need_key", [True, False])
+def test_with_keys_every_path_but_health_needs_one(metrics_need_key):
+    keys = [{"name": "a", "key": KEY}]
+
+    async def scenario() -> None:
+        gw = gateway(Upstream(), keys=keys, metrics_need_key=metrics_need_key)
+        app = build_gateway_app(gw)
+
+        async def get(path: str, headers=()) -> Reply:
+            return await call(app, path=path, chunks=[b""], method="GET", headers=headers)
+
+        assert (await get("/v1/models")).status == 401
+        assert (await get("/v1/models", BEARER)).status == 200
+        assert (await get("/metrics")).status == (401 if metrics_need_key else 200)
+        assert (await get("/metrics", BEARER)).status == 200
+        assert (await get("/health")).status == 200
+        for path in ("/docs", "/openapi.json", "/v1//completions", "/v1/completions/"):
+            reply = await get(path, BEARER)  # no API pages, no redirects: error objects
+            assert reply.status == 404 and reply.error["type"] == "not_found_error", path
+        wrong_method = await get(PATH, BEARER)
+        assert wrong_method.status == 405 and wrong_method.error["message"]
+
+    run(scenario())
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408_and_releases_everything():
+    keys = [{"name": "a", "key": KEY, "max_concurrent": 1}]
+
+    async def scenario() -> None:
+        up = Upstream()
+        gw = gateway(up, keys=keys, backends=(A,), client_body_timeout=0.2)
+        app = build_gateway_app(gw)
+        reply = await call(app, chunks=[b'{"prompt": '], headers=BEARER, body_unfinished=True)
+        assert reply.status == 408 and reply.error["type"] == "timeout_error"
+        assert not up.seen[A] and gw.keys.keys[0].in_flight == 0
+        assert (await call(app, PLAIN, headers=BEARER)).status == 200
+
+    run(scenario())

@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 
 import httpx
 import pytest
 from server_helpers import API_KEY, AUTH, MODEL_NAME, running_server
 
-SEQ_LIMIT_FLAGS = ("--max-num-queued-requests", "64")
+SEQ_LIMIT_FLAGS = ("--max-num-queued-requests", "64", "--client-body-timeout", "5")
 
 
 @pytest.fixture(scope="module")
@@ -231,3 +232,21 @@ def test_model_name_in_errors_is_short(server):
         _post(server, "/v1/completions", {"prompt": "hi", "model": "m" * 5000}), 404
     )
     assert len(err["message"]) < 300 and MODEL_NAME not in err["message"]
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408(server):
+    """A client trickling its body (or stopping half-way) held its connection for ever."""
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+                f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+                "Content-Length: 50\r\n\r\n")  # fmt: skip
+        sock.sendall(head.encode() + b'{"prompt"')
+        answer = b""
+        while b"\r\n\r\n" not in answer:  # the server answers within its 5 s (+ slack)
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    _assert_serving(server)

@@ -32,6 +32,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from pagellm.console.routes import install_console
@@ -44,6 +45,7 @@ from pagellm.gateway.intake import (
     ask_usage,
     charge_for,
     check_fields,
+    drop_unread_fields,
     parse,
     read_body,
 )
@@ -352,11 +354,15 @@ class Gateway:
     async def _handle(self, call: _Call) -> Response:
         policy = self._identify(call)
         try:
-            call.content = await read_body(call.raw, self.settings.max_body_bytes)
+            call.content = await read_body(
+                call.raw, self.settings.max_body_bytes, self.settings.client_body_timeout
+            )
         except ClientDisconnect:
             return Response(status_code=499)
         call.body = parse(call.content)
         check_fields(call.body)
+        if drop_unread_fields(call.body, call.path):
+            call.content = None
         lengths = await self._prompt_lengths(call)
         call.headers = self._forwarded_headers(call.raw)
         if policy is not None:
@@ -521,7 +527,7 @@ class Gateway:
                 self._breaker_failure(replica)
                 return None
             # e.g. a read timeout: the replica may be working on it, so it is not sent twice
-            return _error(502, f"the replica did not answer: {type(exc).__name__}")
+            return self._upstream_error("did not answer", exc)
         call.lease.response = resp
         self.metrics.upstream_latency.labels(replica.url).observe(self.clock() - start)
         if _not_taken(resp):
@@ -531,6 +537,14 @@ class Gateway:
         if call.body.get("stream") and resp.status_code == 200:
             return await self._stream(call, replica, resp)
         return await self._whole(call, replica, resp)
+
+    def _upstream_error(self, what: str, exc: httpx.HTTPError) -> JSONResponse:
+        """A replica's failure once it may be working on the request (never retried): 504 when
+        it ran past --upstream-timeout, else 502."""
+        if isinstance(exc, httpx.TimeoutException):
+            limit = self.settings.upstream_timeout
+            return _error(504, f"the replica {what} within --upstream-timeout ({limit:g} s)")
+        return _error(502, f"the replica {what}: {type(exc).__name__}")
 
     def _breaker_failure(self, replica: Replica) -> None:
         was_open = replica.breaker.state is BreakerState.OPEN
@@ -562,7 +576,7 @@ class Gateway:
             if isinstance(exc, _LOST):
                 self._breaker_failure(replica)
                 return None
-            return _error(502, f"the replica failed before its first event: {type(exc).__name__}")
+            return self._upstream_error("failed before its first event", exc)
         call.handed_over = True
         return _Relayed(self._relay(first, call.events, replica), call)
 
@@ -613,14 +627,15 @@ class Gateway:
         except httpx.HTTPError as exc:
             if isinstance(exc, _LOST):
                 self._breaker_failure(replica)
-            return _error(502, f"the replica failed while answering: {type(exc).__name__}")
+            return self._upstream_error("failed while answering", exc)
         call.settle.used = _usage_tokens(resp.status_code, content)
         media = resp.headers.get("content-type", "application/json")
         extra = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
         return Response(content, status_code=resp.status_code, media_type=media, headers=extra)
 
     async def key_required(self, raw: Request) -> JSONResponse | None:
-        """The console's state needs a gateway key when the gateway has keys (a 401 if not)."""
+        """A 401 when the gateway has keys and the request brings none of them (every path but
+        /health: the model list, metrics, the console's state), else None."""
         if self.keys.enabled and self.keys.identify(raw.headers.get("authorization")) is None:
             return _error(401, "missing or wrong API key")
         return None
@@ -785,7 +800,19 @@ def build_gateway_app(gateway: Gateway) -> FastAPI:
             task.cancel()
             await gateway.client.aclose()
 
-    app = FastAPI(title="pagellm gateway", lifespan=lifespan)
+    app = FastAPI(
+        title="pagellm gateway",
+        lifespan=lifespan,
+        docs_url=None,  # a proxy: no API pages of its own to show (they needed no key)
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
+    )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def routing(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Routing's own answers (404 unknown path, 405 method) as error objects."""
+        return _error(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -801,8 +828,8 @@ def build_gateway_app(gateway: Gateway) -> FastAPI:
         return await gateway.proxy("/v1/chat/completions", raw)
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        return gateway.models()
+    async def models(raw: Request) -> Response:
+        return await gateway.key_required(raw) or JSONResponse(gateway.models())
 
     @app.get("/health")
     async def health() -> Response:
@@ -811,7 +838,9 @@ def build_gateway_app(gateway: Gateway) -> FastAPI:
         return _error(503, "no replica is healthy", kind="cluster_unavailable")
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(raw: Request) -> Response:
+        if gateway.settings.metrics_need_key and (denied := await gateway.key_required(raw)):
+            return denied
         gateway.refresh_gauges()
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

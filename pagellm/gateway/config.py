@@ -74,10 +74,14 @@ class GatewaySettings:
     breaker_failures: int = 3
     breaker_reset: float = 5.0
     upstream_timeout: float = 600.0
-    """Seconds to wait on a replica (its answer's headers, or each read after); past it, 502
+    """Seconds to wait on a replica (its answer's headers, or each read after); past it, 504
     (the request is not sent to another replica: this one may be working on it)."""
     max_body_bytes: int = 4 << 20
     """Largest request body read (counted as it arrives); over it, 413."""
+    client_body_timeout: float = 60.0
+    """Seconds a request body may take to arrive whole; past them, 408."""
+    metrics_need_key: bool = True
+    """With keys configured, /metrics needs one (``--allow-unauthenticated-metrics``: not)."""
     backend_api_key: str | None = None
     """Sent to the replicas (health checks, model lists, and proxied requests in place of the
     client's Authorization); without it the client's header is passed through."""

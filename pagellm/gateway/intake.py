@@ -6,6 +6,7 @@ Failures raise APIError, answered in the OpenAI error shape."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from typing import Any
@@ -21,20 +22,29 @@ PROMPT_MARGIN = 64
 system line): an uncounted prompt has at most its UTF-8 bytes plus this many tokens."""
 
 
-async def read_body(raw: Request, limit: int) -> bytes:
+async def read_body(raw: Request, limit: int, timeout: float) -> bytes:
     """The request body, refused (413) as soon as it is known to be over ``limit`` bytes: by its
-    Content-Length before reading, else while reading. A client that leaves raises
-    starlette's ClientDisconnect."""
+    Content-Length before reading, else while reading; 408 when it has not all come within
+    ``timeout`` seconds (a client trickling it would hold a connection for ever). A client
+    that leaves raises starlette's ClientDisconnect."""
     declared = raw.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     parts, size = [], 0
-    async for part in raw.stream():
-        size += len(part)
-        if size > limit:
-            raise _too_large(limit)
-        parts.append(part)
+    try:
+        async with asyncio.timeout(timeout):
+            async for part in raw.stream():
+                size += len(part)
+                if size > limit:
+                    raise _too_large(limit)
+                parts.append(part)
+    except TimeoutError:
+        raise body_timeout(timeout) from None
     return b"".join(parts)
+
+
+def body_timeout(timeout: float) -> APIError:
+    return APIError(408, f"the request body did not arrive within {timeout:g} s")
 
 
 def _too_large(limit: int) -> APIError:
@@ -60,6 +70,17 @@ def check_fields(body: dict[str, Any]) -> None:
     _check_count(body, "max_tokens", None)
     _check_count(body, "max_completion_tokens", None)
     _check_count(body, "n", MAX_N)
+
+
+def drop_unread_fields(body: dict[str, Any], path: str) -> bool:
+    """Drop max_completion_tokens from a /v1/completions body: a chat field, which the
+    completions endpoint (pagellm's and vLLM's) does not read, so that the key's charge, the
+    pre-check and the overload cap read max_tokens, as the replica will (a key charged for
+    max_completion_tokens 1 was served max_tokens 400). True if the body changed."""
+    if path != "/v1/completions" or "max_completion_tokens" not in body:
+        return False
+    del body["max_completion_tokens"]
+    return True
 
 
 def _check_count(body: dict[str, Any], name: str, most: int | None) -> None:

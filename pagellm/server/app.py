@@ -69,6 +69,8 @@ class ServerSettings:
     max_seqs_per_request: int = 256
     """Most sequences one request may ask for (a completions request's prompts x n)."""
     metrics_need_key: bool = True
+    client_body_timeout: float = 60.0
+    """Seconds a request body may take to arrive whole; past them, 408."""
     """With an API key: /metrics needs it too (False opens it for a scraper)."""
     disable_ui: bool = False
     """No web console at /ui (``--disable-ui``)."""
@@ -300,6 +302,17 @@ class _Guards:
         return APIError(413, f"request body over {self.settings.max_body_bytes} bytes")
 
     async def _read_body(self, receive) -> tuple[bytes | None, APIError | None]:
+        """The whole body, or why not (None, None: the client left); a body still arriving
+        after ``client_body_timeout`` seconds is a 408 (a client trickling it would hold a
+        connection for ever)."""
+        timeout = self.settings.client_body_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._receive_body(receive)
+        except TimeoutError:
+            return None, APIError(408, f"the request body did not arrive within {timeout:g} s")
+
+    async def _receive_body(self, receive) -> tuple[bytes | None, APIError | None]:
         chunks, size = [], 0
         while True:
             message = await receive()

@@ -8,9 +8,11 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
+    502: "bad_gateway",
     503: "service_unavailable",
     504: "timeout_error",
 }
