@@ -878,3 +878,14 @@ def test_a_body_that_does_not_arrive_in_time_is_408_and_releases_everything():
         assert (await call(app, PLAIN, headers=BEARER)).status == 200
 
     run(scenario())
+
+
+def test_a_key_limited_to_some_models_must_name_one():
+    from pagellm.gateway.limits import KeyRing
+
+    ring = KeyRing([{"name": "a", "key": KEY, "models": ["m"]}], FakeClock(step=0.0))
+    key = ring.identify(f"Bearer {KEY}")
+    unnamed = ring.admit(key, None, 1)
+    assert unnamed.status == 400 and "model" in unnamed.message  # was "the model None ..."
+    assert ring.admit(key, "other", 1).status == 404
+    assert ring.admit(key, "m", 1) is None

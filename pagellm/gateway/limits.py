@@ -181,6 +181,8 @@ class KeyRing:
     def admit(self, policy: KeyPolicy, model: str | None, tokens: int) -> Denied | None:
         """Check model, concurrency and both buckets; on success count the request in flight
         and charge ``tokens`` (the caller settles the real count with ``settle``)."""
+        if policy.models is not None and model is None:  # it names no model: which, then?
+            return Denied(400, "give 'model': this key may use only some of the models")
         if policy.models is not None and model not in policy.models:
             return Denied(
                 404, f"the model {quoted_name(model)} does not exist", code="model_not_found"
