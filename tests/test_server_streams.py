@@ -158,6 +158,8 @@ def test_echo_is_refused_clearly(server):
         ("chat/completions", "continue_final_message", True),
         ("chat/completions", "add_generation_prompt", False),
         ("chat/completions", "bad_words", ["x"]),
+        ("completions", "guided_whitespace_pattern", "[ ]?"),
+        ("chat/completions", "guided_decoding_backend", "outlines"),
     ],
 )
 def test_vllm_fields_not_implemented_are_refused_not_ignored(server, path, field, value):
@@ -178,7 +180,8 @@ def test_vllm_fields_at_their_unset_values_are_served(server):
     """Fields at their unset values (a client may send best_of 1, add_generation_prompt true)
     change nothing; unknown fields are ignored."""
     unset = {"best_of": 1, "suffix": None, "bad_words": [], "use_beam_search": False,
-             "include_stop_str_in_output": False, "unknown_field": 5}  # fmt: skip
+             "include_stop_str_in_output": False, "unknown_field": 5,
+             "guided_decoding_backend": "xgrammar"}  # fmt: skip
     r = httpx.post(f"{server}/v1/completions", headers=AUTH,
                    json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, **unset})  # fmt: skip
     assert r.status_code == 200, r.text

@@ -86,6 +86,9 @@ class _Common(_Strict):
         "bad_words": (None, []),
         "use_beam_search": (None, False),
         "include_stop_str_in_output": (None, False),
+        "guided_whitespace_pattern": (None, ""),
+        # the engine's backend is xgrammar; vLLM also refuses a request's other backend
+        "guided_decoding_backend": (None, "", "auto", "xgrammar"),
     }
     """vLLM / OpenAI request fields pagellm does not implement, and the values that mean
     "unset": a request giving another value is refused (a 400 naming the field) instead of
