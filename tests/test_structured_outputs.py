@@ -358,6 +358,11 @@ def test_remote_refs_are_refused_and_tool_refs_resolve_inside_their_tool(llm):
     calls = [json.loads(o.text)[0] for o in outs if o.finish_reason == "stop"]
     assert calls, [o.text[:80] for o in outs]
     assert all(c["name"] == "loc" and c["parameters"]["c"] in ("Paris", "Rome") for c in calls)
+    deep = {"type": "object"}
+    for _ in range(2000):  # a tool whose rewriting would pass Python's recursion limit
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(StructuredOutputError, match="nested too deeply"):
+        tool_constraint([{"name": "d", "parameters": deep}], "required")
     # "#" is the tool's own schema, not the wrapper: a self-reference is circular everywhere
     selfref = [{"name": "f", "parameters": {"$ref": "#"}}]
     for constraint in (

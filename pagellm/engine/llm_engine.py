@@ -276,15 +276,16 @@ class LLMEngine:
             "(a regex or grammar whose language is empty?)"
         )
 
-    def _conflict(self, req: Request) -> str:
-        """Why the grammar rejected a sampled token: only when every token it admits was
-        excluded by the request's other settings (the sampler applies its bitmask)."""
+    def _conflict(self, req: Request, produced: int) -> str:
+        """Why the grammar rejected a token sampled after ``produced`` output tokens: only
+        when every token it admits was excluded by the request's other settings (the sampler
+        applies its bitmask)."""
         assert self.structured is not None
         options = self.structured.admitted(req.request_id)
         params = req.params
         if options.tokens == 0:
             return "the structured output constraint admits no token here: it cannot be completed"
-        if options.only_end and params.min_tokens:
+        if options.only_end and produced < params.min_tokens:
             return (
                 f"the structured output is complete after fewer than min_tokens="
                 f"{params.min_tokens} tokens, and min_tokens keeps it from ending"
@@ -344,7 +345,7 @@ class LLMEngine:
                 if group is None or group.request_id in failed:
                     continue
                 if why is None:
-                    why = self._conflict(req)
+                    why = self._conflict(req, len(req.output_token_ids) - num_new)
                     bad_requests.add(group.request_id)
                 failed[group.request_id] = why
             elif structured.is_terminated(seq_id) and not req.is_finished:

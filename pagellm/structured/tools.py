@@ -71,7 +71,14 @@ def _rebased(tool: dict[str, Any], where: str) -> Any:
     (``#``, ``#/$defs/...``) are rewritten to point inside it there, so they resolve as they
     did in the tool's schema alone."""
     parameters = tool.get("parameters") or ANY_OBJECT
-    return map_schema_refs(parameters, lambda ref: where + ref[1:] if ref.startswith("#") else ref)
+    try:
+        return map_schema_refs(
+            parameters, lambda ref: where + ref[1:] if ref.startswith("#") else ref
+        )
+    except RecursionError:
+        raise StructuredOutputError(
+            f"the parameters of the tool {tool['name']!r} are nested too deeply", "tools"
+        ) from None
 
 
 def template_renders_tools(chat_template: str | None) -> bool:
