@@ -47,8 +47,10 @@ def browser():
         b.close()
 
 
-def open_console(browser, base: str):
-    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+def open_console(browser, base: str, bypass_csp: bool = True):
+    """The console in a new page; ``bypass_csp``: Playwright's own string predicates
+    (``wait_for_function``) are evals, which the console's policy refuses."""
+    page = browser.new_page(viewport={"width": 1280, "height": 1000}, bypass_csp=bypass_csp)
     page.goto(f"{base}/ui")
     page.fill("#api-key", API_KEY)
     page.dispatch_event("#api-key", "change")
@@ -66,6 +68,12 @@ def test_server_console_live_state_and_playground(browser, tiny_models):
         _,
         base,
     ):
+        strict = open_console(browser, base, bypass_csp=False)  # the page under its own CSP
+        refused = []
+        strict.on("console", lambda m: refused.append(m.text) if "Policy" in m.text else None)
+        strict.wait_for_selector("#status[data-state='ok']", timeout=60_000)
+        strict.close()
+        assert not refused, refused
         page = open_console(browser, base)
         page.wait_for_function("document.getElementById('status').dataset.state === 'ok'")
         assert dom_int(page, "#kv-in-use", "data-in-use") == 0
@@ -140,3 +148,35 @@ def test_gateway_console_shows_a_killed_replica_down(browser, tiny_models):
             assert row.get_attribute("data-healthy") == "true"
             page.screenshot(path=str(artifacts() / "console-gateway.png"), full_page=True)
             assert httpx.get(f"{gw}/ui/api/state").status_code == 200  # an open gateway
+
+
+def test_a_state_that_does_not_come_is_503_and_frees_the_next_viewer(monkeypatch):
+    """A stopped or stuck engine never answered the snapshot call: every later viewer waited on
+    the state's lock for ever."""
+    import asyncio
+
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    from pagellm.console import routes
+
+    monkeypatch.setattr(routes, "STATE_TIMEOUT", 0.2)
+    stuck = {"on": True}
+
+    async def state() -> dict:
+        if stuck["on"]:
+            await asyncio.sleep(3600)
+        return {"kind": "server"}
+
+    app = FastAPI()
+    routes.install_console(app, state)
+    with TestClient(app) as client:  # its own loop (the browser fixture may hold this one)
+        first = client.get("/ui/api/state")
+        assert first.status_code == 503 and first.json()["error"]["message"]
+        stuck["on"] = False
+        second = client.get("/ui/api/state")
+        assert second.status_code == 200 and second.json() == {"kind": "server"}
+        assert second.headers["cache-control"] == "no-store"
+        page = client.get("/ui")
+        assert page.headers["x-frame-options"] == "DENY"
+        assert "script-src 'self'" in page.headers["content-security-policy"]

@@ -112,6 +112,8 @@ class Upstream:
     def __init__(self, models: dict[str, Any] | None = None) -> None:
         self.models = models or {A: ["m"], B: ["m"]}
         self.script: dict[str, Script] = {}
+        self.metrics_text: dict[str, str] = {}
+        """A replica's /metrics page (404 for one not given)."""
         self.seen: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self.transport = httpx.MockTransport(self.handle)
 
@@ -126,7 +128,8 @@ class Upstream:
             cards = [{"id": m, "object": "model", "max_model_len": 512} for m in models]
             return httpx.Response(200, json={"object": "list", "data": cards})
         if request.url.path == "/metrics":
-            return httpx.Response(404)
+            text = self.metrics_text.get(base)
+            return httpx.Response(404) if text is None else httpx.Response(200, text=text)
         body = json.loads(await request.aread())
         self.seen[base].append({"body": body, "headers": request.headers})
         return await self.script.get(base, answer_ok)(request, body)
@@ -889,3 +892,26 @@ def test_a_key_limited_to_some_models_must_name_one():
     assert unnamed.status == 400 and "model" in unnamed.message  # was "the model None ..."
     assert ring.admit(key, "other", 1).status == 404
     assert ring.admit(key, "m", 1) is None
+
+
+def test_a_replicas_nan_or_infinite_load_is_ignored_and_the_console_still_answers():
+    """A NaN usage broke every /ui/api/state of the gateway (JSON has no NaN): a 500."""
+
+    async def scenario() -> None:
+        up = Upstream()
+        up.metrics_text[A] = (
+            "vllm:kv_cache_usage_perc NaN\nvllm:num_requests_running +Inf\n"
+            "vllm:num_requests_waiting 2\n"
+        )
+        up.metrics_text[B] = "vllm:kv_cache_usage_perc 7.5\n"  # over 1: clamped
+        gw = gateway(up)
+        await gw.check_all()
+        a, b = gw.replicas
+        assert (a.scraped_kv_usage, a.scraped_requests) == (0.0, 2.0)
+        assert b.scraped_kv_usage == 1.0
+        reply = await call(build_gateway_app(gw), path="/ui/api/state", chunks=[b""], method="GET")
+        assert reply.status == 200 and json.loads(reply.body)["kind"] == "gateway"
+        assert reply.headers["cache-control"] == "no-store"
+        assert "frame-ancestors 'none'" in reply.headers["content-security-policy"]
+
+    run(scenario())

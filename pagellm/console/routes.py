@@ -16,10 +16,27 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
+from pagellm.server.errors import error_body
+
 STATIC_FILES = {"index.html": "text/html", "console.js": "text/javascript",
                 "charts.js": "text/javascript", "console.css": "text/css"}  # fmt: skip
 SNAPSHOT_TTL = 0.25
 """Seconds a snapshot serves every viewer: many open consoles cost the engine one snapshot."""
+STATE_TIMEOUT = 5.0
+"""Seconds a snapshot may take (it waits for the engine thread between two steps); past them,
+503: a stopped or stuck engine must not hold the state's lock, and every viewer, for ever."""
+SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+        "connect-src 'self'; img-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
+        "form-action 'self'"
+    ),
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+"""On every console response: the page runs only its own files and cannot be framed (a framed
+playground would spend the viewer's key)."""
 OPEN_PREFIXES = ("/ui/static/",)
 OPEN_PATHS = ("/ui", "/ui/")
 
@@ -58,13 +75,17 @@ def install_console(
     @app.get("/ui", include_in_schema=False)
     @app.get("/ui/", include_in_schema=False)
     async def page() -> Response:
-        return FileResponse(str(_static_dir() / "index.html"), media_type="text/html")
+        return FileResponse(
+            str(_static_dir() / "index.html"), media_type="text/html", headers=SECURITY_HEADERS
+        )
 
     @app.get("/ui/static/{name}", include_in_schema=False)
     async def static(name: str) -> Response:
         if name not in STATIC_FILES:
             return JSONResponse({"error": {"message": "not found", "type": "not_found"}}, 404)
-        return FileResponse(str(_static_dir() / name), media_type=STATIC_FILES[name])
+        return FileResponse(
+            str(_static_dir() / name), media_type=STATIC_FILES[name], headers=SECURITY_HEADERS
+        )
 
     @app.get("/ui/api/state", include_in_schema=False)
     async def live(raw: Request) -> Response:
@@ -74,8 +95,15 @@ def install_console(
         async with lock:
             now = time.monotonic()
             if cache["body"] is None or now - cache["at"] > SNAPSHOT_TTL:
-                cache["body"], cache["at"] = await state(), now
-            return JSONResponse(cache["body"])
+                try:
+                    snapshot = await asyncio.wait_for(state(), STATE_TIMEOUT)
+                except TimeoutError:
+                    message = f"no state within {STATE_TIMEOUT:g} s (the engine is stopped or busy)"
+                    return JSONResponse(error_body(503, message, None, None), status_code=503)
+                # serialized once for every viewer of this snapshot, not on each request
+                cache["body"], cache["at"] = JSONResponse(snapshot).body, now
+            headers = {**SECURITY_HEADERS, "Cache-Control": "no-store"}
+            return Response(cache["body"], media_type="application/json", headers=headers)
 
 
 def is_open_path(path: str) -> bool:

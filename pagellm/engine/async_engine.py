@@ -308,6 +308,9 @@ class AsyncLLMEngine:
             streams = list(self._streams.values())
         for stream in streams:
             stream.push(error)
+        while (item := self._get_nowait()) is not None:  # calls queued for the dead thread
+            if isinstance(item, _Call):
+                _settle(item, None, error)
 
 
 def _run_call(item: _Call, engine: LLMEngine) -> None:
@@ -315,6 +318,11 @@ def _run_call(item: _Call, engine: LLMEngine) -> None:
         result, error = item.fn(engine), None
     except Exception as exc:  # noqa: BLE001 - the caller gets it; the engine runs on
         result, error = None, exc
+    _settle(item, result, error)
+
+
+def _settle(item: _Call, result: Any, error: BaseException | None) -> None:
+    """Hand ``item``'s result or error to its future, on its loop."""
 
     def settle() -> None:
         if item.future.done():

@@ -273,10 +273,13 @@ class Gateway:
                     values[name] = sum(sample.value for sample in family.samples)
         except (httpx.HTTPError, ValueError):
             return
+        # a replica's NaN or infinity (buggy or hostile) must not steer routing or break the
+        # console's JSON: only finite, non-negative figures count, usage at most 1
+        values = {k: v for k, v in values.items() if math.isfinite(v) and v >= 0.0}
         replica.scraped_requests = values.get("num_requests_running", 0.0) + values.get(
             "num_requests_waiting", 0.0
         )
-        replica.scraped_kv_usage = values.get("kv_cache_usage_perc", 0.0)
+        replica.scraped_kv_usage = min(1.0, values.get("kv_cache_usage_perc", 0.0))
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(r) for r in self.replicas))

@@ -1,13 +1,13 @@
 // pagellm console: polls /ui/api/state every POLL_MS and draws it; the playground streams chat
 // completions from /v1/chat/completions. The API key (if the server has one) is kept in this
-// browser's localStorage and sent as a Bearer token.
+// tab's sessionStorage (gone when the tab closes) and sent as a Bearer token.
 "use strict";
 const POLL_MS = 1000;
 const WINDOW_S = 180;
 const $ = (id) => document.getElementById(id);
 const keyInput = $("api-key");
-keyInput.value = localStorage.getItem("pagellm-key") || "";
-keyInput.addEventListener("change", () => localStorage.setItem("pagellm-key", keyInput.value));
+keyInput.value = sessionStorage.getItem("pagellm-key") || "";
+keyInput.addEventListener("change", () => sessionStorage.setItem("pagellm-key", keyInput.value));
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -127,9 +127,9 @@ function drawFleet(s) {
   setStatus(up ? "ok" : "down", up ? "serving" : "no replica up");
   const body = document.querySelector("#replicas tbody");
   body.innerHTML = s.replicas.map((r) =>
-    `<tr data-url="${escapeHtml(r.url)}" data-healthy="${r.healthy}" data-breaker="${r.breaker}">` +
+    `<tr data-url="${escapeHtml(r.url)}" data-healthy="${Boolean(r.healthy)}" data-breaker="${escapeHtml(r.breaker)}">` +
     `<td>${escapeHtml(r.url)}${r.fallback ? " (fallback)" : ""}</td><td>${r.healthy ? "up" : "down"}</td>` +
-    `<td>${r.breaker}</td><td class="num">${r.outstanding}</td><td class="num">${r.scraped_requests}</td>` +
+    `<td>${escapeHtml(r.breaker)}</td><td class="num">${Number(r.outstanding)}</td><td class="num">${Number(r.scraped_requests)}</td>` +
     `<td class="num"><span class="bar" style="width:${Math.round(60 * r.kv_usage)}px"></span>${(100 * r.kv_usage).toFixed(1)}%</td>` +
     `<td>${escapeHtml(r.models.join(", "))}</td></tr>`).join("");
   if (last && last.kind === "gateway") {
@@ -219,6 +219,8 @@ $("chat-form").addEventListener("submit", async (event) => {
     state.dataset.state = "done";
     state.textContent = "done";
   } catch (err) {
+    conversation.pop();  // the failed turn is not sent again with the next one
+    out.remove();
     state.dataset.state = "error";
     state.textContent = "error: " + err.message;
   }
