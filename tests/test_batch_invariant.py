@@ -214,6 +214,22 @@ def test_quantized_weights_are_refused(tiny_models):
         tiny_llm(tiny_models, dtype="bfloat16", batch_invariant=True, quantization="int8")
 
 
+def test_speculation_is_not_switched_off_by_the_batch_size(tiny_models):
+    """A seeded request draws differently in the speculative and the plain sampler, so a step
+    that stopped speculating past disable_by_batch_size changed it with the batch."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
+             "disable_by_batch_size": 2}  # fmt: skip
+    llm = tiny_llm(tiny_models, dtype="bfloat16", batch_invariant=True, speculative_config=ngram)
+    assert (
+        llm.engine.scheduler.spec.disable_by_batch_size > llm.engine.config.scheduler.max_num_seqs
+    )
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]  # repetitive: the n-gram proposer proposes
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    batch = llm.generate([prompt] + [[9, 10, 11 + i] for i in range(5)], seeded, use_tqdm=False)
+    assert batch[0].outputs[0].token_ids == alone
+
+
 @pytest.mark.slow
 def test_default_gguf_is_served_dense():
     llm = LLM(kv_cache_memory=0.05, **{**SETTINGS, "max_model_len": 256})

@@ -149,6 +149,9 @@ def test_stop_token_eos_min_tokens_and_stop_strings():
         "min", [0], SamplingParams(temperature=0, max_tokens=10, min_tokens=5, stop_token_ids=[3])
     )
     engine.add_request("text", [40], SamplingParams(temperature=0, max_tokens=10, stop=["<43>"]))
+    engine.add_request(
+        "min_text", [40], SamplingParams(temperature=0, max_tokens=10, min_tokens=5, stop=["<4"])
+    )
     done = run_to_completion(engine)
     assert done["eos"].outputs[0].token_ids == [1, 2]
     assert done["eos"].outputs[0].finish_reason == "stop"
@@ -159,6 +162,10 @@ def test_stop_token_eos_min_tokens_and_stop_strings():
     assert len(done["min"].outputs[0].token_ids) == 10  # stop id 3 came before min_tokens
     text = done["text"].outputs[0]
     assert text.text == "<41><42>" and text.finish_reason == "stop" and text.stop_reason == "<43>"
+    # "<4" is in every token from the first; as vLLM, stop strings count after min_tokens
+    late = done["min_text"].outputs[0]
+    assert late.text == "<41><42><43><44><45>" and late.stop_reason == "<4"
+    assert len(late.token_ids) == 6
 
 
 def test_n_copies_share_the_prompt_blocks():

@@ -40,8 +40,9 @@ class IncrementalDetokenizer:
         """Characters a stream must hold back: they may be the start of a stop string."""
         return max((len(s) for s in self.stop), default=1) - 1
 
-    def add_tokens(self, token_ids: list[int]) -> str | None:
-        """Append tokens and extend ``text``; returns the stop string that matched, if any."""
+    def add_tokens(self, token_ids: list[int], check_stop: bool = True) -> str | None:
+        """Append tokens and extend ``text``; returns the stop string that matched, if any
+        (``check_stop`` False: none is looked for, as while min_tokens is not reached)."""
         self.tokens.extend(token_ids)
         prefix_text = self.decode(self.tokens[self.prefix_offset : self.read_offset], self.skip)
         full = self.decode(self.tokens[self.prefix_offset :], self.skip)
@@ -50,6 +51,9 @@ class IncrementalDetokenizer:
         delta = full[len(prefix_text) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.tokens)
+        if not check_stop:
+            self.text += delta
+            return None
         return self._append_checking_stop(delta)
 
     @property

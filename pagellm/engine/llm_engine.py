@@ -126,6 +126,10 @@ class LLMEngine:
             getattr(executor, "num_host_blocks", 0) if swap else 0,
         )
         self.spec = spec_settings(config.speculative)
+        if self.spec is not None and config.model.batch_invariant:
+            # whether a step speculates must not depend on what shares the batch: a seeded
+            # request draws differently in the speculative and the plain sampler
+            self.spec = dataclasses.replace(self.spec, disable_by_batch_size=1 << 30)
         draft_len = getattr(executor, "draft_max_model_len", None)
         if self.spec is not None and draft_len is not None:
             limit = min(draft_len, self.spec.max_model_len or draft_len)
@@ -494,7 +498,8 @@ class LLMEngine:
         for i, token in enumerate(req.output_token_ids[first:]):
             if seq.logprobs is not None and i < len(logprobs):
                 seq.logprobs.append(logprobs[i])
-            stop = seq.detok.add_tokens([token])
+            # as vLLM, stop strings count once the output is longer than min_tokens
+            stop = seq.detok.add_tokens([token], first + i + 1 > req.params.min_tokens)
             if stop is None:
                 continue
             if not req.is_finished:

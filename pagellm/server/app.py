@@ -718,6 +718,9 @@ def _refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None
     name = body.unsupported_field()
     if name is not None:
         raise APIError(400, f"{name} is not supported", param=name)
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
+        name = "stream_options.continuous_usage_stats"
+        raise APIError(400, f"{name} is not supported (usage comes in the last chunk)", param=name)
 
 
 def _prompt_list(prompt: Any) -> list[str | list[int]]:

@@ -43,6 +43,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's usage in every chunk: not implemented, refused when true."""
 
 
 JsonValue = dict[str, Any] | Text
