@@ -308,9 +308,11 @@ class AsyncLLMEngine:
             streams = list(self._streams.values())
         for stream in streams:
             stream.push(error)
-        while (item := self._get_nowait()) is not None:  # calls queued for the dead thread
+        while (item := self._get_nowait()) is not None:  # what was queued for the dead thread
             if isinstance(item, _Call):
                 _settle(item, None, error)
+            elif isinstance(item, _Add):  # registered after the streams above were read
+                self._deliver(item.request_id, error)
 
 
 def _run_call(item: _Call, engine: LLMEngine) -> None:

@@ -12,8 +12,9 @@ token's attention reads more context, so the chunk shrinks as it advances: a tok
 one token's attention costs as much as its linear layers (from the model's shape). The runner's
 prefill kernel attends in work items of ``quantum`` tokens, and an item begun costs its whole
 attention: the chunk's attention is counted in items, and past the crossover the chunk is whole
-items, at least one (13 tokens 2000 deep in an 8000-token prompt were two items, a step a quarter
-slower than one of 10). Alone, a long prompt takes the whole token budget.
+items, at least one (13 tokens 2000 deep in an 8000-token prompt were two items: those steps
+took ~15% longer than with one item of 10, in process). Alone, a long prompt takes the whole
+token budget.
 """
 
 from __future__ import annotations

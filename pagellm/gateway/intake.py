@@ -15,7 +15,7 @@ from starlette.requests import Request
 
 from pagellm.engine.sampling_params import MAX_N
 from pagellm.gateway.limits import KeyPolicy
-from pagellm.server.errors import APIError
+from pagellm.server.errors import APIError, body_timeout
 
 PROMPT_MARGIN = 64
 """Tokens a chat template may add beyond the prompt's own bytes (role headers, BOS, a default
@@ -41,10 +41,6 @@ async def read_body(raw: Request, limit: int, timeout: float) -> bytes:
     except TimeoutError:
         raise body_timeout(timeout) from None
     return b"".join(parts)
-
-
-def body_timeout(timeout: float) -> APIError:
-    return APIError(408, f"the request body did not arrive within {timeout:g} s")
 
 
 def _too_large(limit: int) -> APIError:

@@ -292,14 +292,19 @@ def _shape_logits(row: torch.Tensor, req: ScheduledRequest, shaping: _Shaping | 
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
+def bitmask_allowed(bitmask: torch.Tensor, size: int) -> torch.Tensor:
+    """Which of ``size`` tokens a bitmask row allows, as bools (bit ``t % 32`` of int32 word
+    ``t // 32``, as xgrammar packs it); tokens past the bitmask's words are not allowed."""
+    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS.to(bitmask.device)) & 1
+    allowed = bits.view(-1)[:size].bool()
+    if allowed.shape[0] < size:
+        allowed = torch.cat([allowed, allowed.new_zeros(size - allowed.shape[0])])
+    return allowed
+
+
 def apply_token_bitmask(row: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """-inf on every token whose bit is clear (bit ``t % 32`` of int32 word ``t // 32``, as
-    xgrammar packs it); tokens past the bitmask's words are disallowed."""
-    bits = (bitmask.to(row.device).unsqueeze(-1) >> _BIT_SHIFTS.to(row.device)) & 1
-    allowed = bits.view(-1)[: row.shape[0]].bool()
-    if allowed.shape[0] < row.shape[0]:
-        allowed = torch.cat([allowed, allowed.new_zeros(row.shape[0] - allowed.shape[0])])
-    row.masked_fill_(~allowed, float("-inf"))
+    """-inf on every token the bitmask row does not allow (``bitmask_allowed``)."""
+    row.masked_fill_(~bitmask_allowed(bitmask.to(row.device), row.shape[0]), float("-inf"))
 
 
 def _apply_bias_and_allowed(row: torch.Tensor, shaping: _Shaping) -> None:

@@ -35,7 +35,7 @@ from pagellm.engine.errors import ContextLengthExceeded, RequestRejected
 from pagellm.engine.outputs import RequestOutput
 from pagellm.engine.sampling_params import ParamError, SamplingParams
 from pagellm.server.chat_tools import ChoiceCalls, ToolPlan, plan_tools
-from pagellm.server.errors import APIError, error_body, error_response, quoted_name
+from pagellm.server.errors import APIError, body_timeout, error_body, error_response, quoted_name
 from pagellm.server.metrics import RequestLatencies, grammar_compile_histogram, make_registry
 from pagellm.server.protocol import (
     ChatCompletionRequest,
@@ -310,7 +310,7 @@ class _Guards:
             async with asyncio.timeout(timeout):
                 return await self._receive_body(receive)
         except TimeoutError:
-            return None, APIError(408, f"the request body did not arrive within {timeout:g} s")
+            return None, body_timeout(timeout)
 
     async def _receive_body(self, receive) -> tuple[bytes | None, APIError | None]:
         chunks, size = [], 0
@@ -718,9 +718,6 @@ def _refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None
     name = body.unsupported_field()
     if name is not None:
         raise APIError(400, f"{name} is not supported", param=name)
-    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
-        name = "stream_options.continuous_usage_stats"
-        raise APIError(400, f"{name} is not supported (usage comes in the last chunk)", param=name)
 
 
 def _prompt_list(prompt: Any) -> list[str | list[int]]:

@@ -35,6 +35,11 @@ class APIError(Exception):
         self.headers = headers
 
 
+def body_timeout(timeout: float) -> APIError:
+    """A request body still arriving after ``timeout`` seconds (--client-body-timeout)."""
+    return APIError(408, f"the request body did not arrive within {timeout:g} s")
+
+
 def error_body(status: int, message: str, param: str | None, code: str | None) -> dict:
     return {
         "error": {

@@ -42,9 +42,12 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "continuous_usage_stats": (None, False),  # vLLM's usage in every chunk
+    }
+    """As ``_Common.UNSUPPORTED``, for the stream's options."""
+
     include_usage: bool = False
-    continuous_usage_stats: bool = False
-    """vLLM's usage in every chunk: not implemented, refused when true."""
 
 
 JsonValue = dict[str, Any] | Text
@@ -161,12 +164,12 @@ class _Common(_Strict):
     def unsupported_field(self) -> str | None:
         """The first field of ``UNSUPPORTED`` (or ``best_of`` above ``n``) this request sets
         to a value that would change its answer, or None."""
-        extra = self.model_extra or {}
-        for name, value in extra.items():
-            unset = self.UNSUPPORTED.get(name)
-            if unset is not None and not any(_same(value, u) for u in unset):
-                return name
-        best_of = extra.get("best_of")
+        name = _set_unsupported(self)
+        if name is None and self.stream_options is not None:
+            name = _set_unsupported(self.stream_options, "stream_options.")
+        if name is not None:
+            return name
+        best_of = (self.model_extra or {}).get("best_of")
         if best_of is not None and not (isinstance(best_of, int) and best_of <= self.n):
             return "best_of"
         return None
@@ -206,6 +209,15 @@ class _Common(_Strict):
                 f"give one structured-output constraint, not several ({names})", found[1][0]
             )
         return (found[0][1], found[0][0]) if found else (None, "structured_outputs")
+
+
+def _set_unsupported(model: BaseModel, prefix: str = "") -> str | None:
+    """The first of ``model.UNSUPPORTED``'s fields it sets to other than an unset value."""
+    for name, value in (model.model_extra or {}).items():
+        unset = model.UNSUPPORTED.get(name)
+        if unset is not None and not any(_same(value, u) for u in unset):
+            return prefix + name
+    return None
 
 
 def _same(value: Any, unset: Any) -> bool:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from pagellm.sampling.sampler import bitmask_allowed
 from pagellm.structured.params import (
     StructuredOutputError,
     StructuredOutputsParams,
@@ -319,8 +320,7 @@ class StructuredOutputManager:
         """What the grammar admits as the sequence's next token, in its present state."""
         row = torch.empty((1, self._words), dtype=torch.int32)
         self._entries[seq_id].matcher.fill_next_token_bitmask(row, 0)
-        bits = (row[0].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
-        allowed = bits.flatten()[: self.compiler.vocab_size].nonzero().flatten().tolist()
+        allowed = bitmask_allowed(row[0], self.compiler.vocab_size).nonzero().flatten().tolist()
         stops = set(self.compiler.stop_token_ids)
         return GrammarOptions(
             tokens=len(allowed), only_end=bool(allowed) and all(t in stops for t in allowed)
