@@ -111,6 +111,11 @@ class SchedulerConfig:
     then keep their inter-token latency; 0: no cut). 24 measured best of 16/20/24/32 on an AVX2
     EPYC (8 streams, an 8000-token prompt: streams' ITL p99 2.2-2.3x, the prompt's TTFT 110 s;
     16: 2.3x, 129 s; 32: 3.5x)."""
+    long_prefill_layer_parts: int = 4
+    """Layered prefill: while others decode, a long prompt's chunk that costs more than
+    --long-prefill-decode-budget even at one work item (deep in the prompt) goes through the
+    model's layers over up to this many steps, a share of the layers a step (captured CPU steps;
+    1: never)."""
     scheduling_policy: str = "fcfs"
     """fcfs (arrival order), priority (a request's priority, then arrival; more important
     arrivals may preempt), or fair (per-tenant virtual token counting)."""

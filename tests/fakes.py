@@ -78,6 +78,7 @@ def make_engine(
     num_host_blocks: int = 0,
     attention_crossover: float | None = None,
     speculative_config: str | dict | None = None,
+    runner: FakeRunner | None = None,
     **scheduler_extra: object,
 ) -> tuple[LLMEngine, FakeRunner]:
     config = EngineConfig(
@@ -94,7 +95,7 @@ def make_engine(
         ),
         speculative=SpeculativeConfig(speculative_config=speculative_config),
     )
-    runner = FakeRunner(num_blocks, num_host_blocks=num_host_blocks)
+    runner = runner or FakeRunner(num_blocks, num_host_blocks=num_host_blocks)
     engine = LLMEngine(
         config,
         runner,

@@ -92,7 +92,7 @@ def test_capture_sizes_bound_the_captured_batch(tiny_models):
     assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(
         eager.generate(prompts, params, use_tqdm=False)
     )
-    assert {rows for rows, _, _ in llm.engine.executor.captured.plans} <= {1, 2}
+    assert {rows for rows, *_ in llm.engine.executor.captured.plans} <= {1, 2}
     assert llm.engine.executor.captured.max_size == 2
 
 
@@ -287,7 +287,7 @@ def test_verify_steps_run_captured_and_keep_greedy_exact(tiny_models, method):
     if method == "draft_model":  # a random model's text rarely repeats: n-gram proposals miss
         assert stats.spec_num_accepted_tokens > 0
     captured = llm.engine.executor.captured
-    assert any(rows > len(prompts) for rows, _, _ in captured.plans)  # steps with proposals' rows
+    assert any(rows > len(prompts) for rows, *_ in captured.plans)  # steps with proposals' rows
 
 
 def test_block_table_rows_follow_changed_blocks_of_equal_count():
@@ -363,7 +363,7 @@ def test_long_prompt_chunks_beside_decodes_go_through_the_prefill_kernel(tiny_mo
     ours = run(captured)
     decoder = captured.engine.executor.captured
     assert decoder.num_kernel_chunks > 10
-    assert any(chunks == 2 for _, _, chunks in decoder.plans)  # both prompts in one step
+    assert any(chunks == 2 for _, _, chunks, *_ in decoder.plans)  # both prompts in one step
     assert ours == run(LLM(str(path), enforce_eager=True, **kw))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     for i, prompt in enumerate(longs):
@@ -412,3 +412,71 @@ def test_small_chunks_take_the_prefill_kernel_where_its_smallest_item_is_cheaper
     else:
         assert decoder.num_kernel_chunks == 0
     assert ours == run(LLM(str(tmp_path), enforce_eager=True, **kw))
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_deep_chunks_spread_over_steps_keep_every_token(tiny_models, mode):
+    """Layered prefill: a long prompt's chunks that cost more than the decode budget go
+    through the layers over several captured steps beside decoding streams (the chunk is
+    scheduled again until it is whole), under preemption too; every token equals the same
+    engine's without layered steps, the eager engine's and transformers'."""
+    import transformers
+
+    path = tiny_models("llama")
+    kw = dict(dtype="float32", max_model_len=512, long_prefill_token_threshold=16,
+              long_prefill_decode_budget=4, num_gpu_blocks_override=40, preemption_mode=mode,
+              swap_space=0.01)  # fmt: skip
+    gen = torch.Generator().manual_seed(11)
+    streams = {f"s{i}": torch.randint(100, 40000, (n,), generator=gen).tolist()
+               for i, n in enumerate((5, 9, 14))}  # fmt: skip
+    prompt = torch.randint(100, 40000, (400,), generator=gen).tolist()
+
+    def run(llm: LLM) -> dict[str, list[int]]:
+        return _prompts_beside_streams(llm, streams, 120, {"long": prompt}, 6, warm_steps=3)
+
+    layered = LLM(str(path), **kw)
+    ours = run(layered)
+    decoder = layered.engine.executor.captured
+    assert decoder.layered.num_parts > 10
+    assert any(end < len(layered.engine.executor.model.layers) for *_, end in decoder.plans)
+    assert layered.get_stats().num_preemptions > 0
+    assert ours == run(LLM(str(path), long_prefill_layer_parts=1, **kw))
+    assert ours == run(LLM(str(path), enforce_eager=True, **kw))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    compare_greedy(ours["long"], hf_greedy(hf, prompt, 6), "long")
+
+
+def test_a_parked_chunk_resumes_only_as_it_left():
+    """The chunk between its layer shares: the next share only for the same request, first
+    position, tokens and blocks; anything else (a preemption moved its blocks, the scheduler
+    cut another chunk, it ended) starts again from the first layer."""
+    from types import SimpleNamespace
+
+    from pagellm.engine.outputs import ScheduledRequest
+    from pagellm.runner.captured import LayeredChunk
+
+    model = SimpleNamespace(arch=SimpleNamespace(hidden_size=8))
+    layered = LayeredChunk(4, model, torch.float32)
+
+    def chunk(start: int = 40, blocks: tuple[int, ...] = (1, 2, 3), parts: int = 3):
+        return ScheduledRequest("long", [5, 6], start, list(blocks), False, SamplingParams(),
+                                0, [], [], None, layer_parts=parts)  # fmt: skip
+
+    def step(s: ScheduledRequest, num_chunks: int = 1) -> tuple[int, int, str | None]:
+        first, end = layered.layers([s], num_chunks, 8)
+        return first, end, layered.ran(s, first, end, 8)
+
+    assert step(chunk()) == (0, 3, "long")
+    assert step(chunk()) == (3, 5, "long")
+    assert step(chunk()) == (5, 8, None)
+    assert step(chunk()) == (0, 3, "long")  # whole: a new chunk at the same place starts over
+    assert step(chunk(blocks=(1, 2, 4))) == (0, 3, "long")
+    assert step(chunk(start=41)) == (0, 3, "long")
+    layered.forget(["other"])
+    assert step(chunk(start=41)) == (3, 5, "long")
+    layered.forget(["long"])
+    assert step(chunk(start=41)) == (0, 3, "long")
+    assert step(chunk(start=41, parts=1)) == (0, 8, None)  # the scheduler no longer spreads it
+    assert step(chunk(start=41)) == (0, 3, "long")
+    assert step(chunk(start=41), num_chunks=2) == (0, 8, None)
+    assert layered.num_parts == 9

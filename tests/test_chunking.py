@@ -4,10 +4,11 @@ limits, and pagellm's cut of a long prompt's chunk while others decode (fake run
 from __future__ import annotations
 
 import pytest
-from fakes import make_engine, run_to_completion
+from fakes import FakeRunner, make_engine, run_to_completion
 
 from pagellm.config import SchedulerConfig
 from pagellm.engine.chunking import ChunkPolicy
+from pagellm.engine.outputs import RunnerOutput, SchedulerOutput
 from pagellm.engine.sampling_params import SamplingParams
 
 
@@ -172,3 +173,78 @@ def test_a_chunk_does_not_begin_an_item_it_cannot_pay_for():
         n = policy.chunk_while_decoding(pos)
         items = -(-n // 10)
         assert n == 10 or n + items * 10 * pos / 3072 <= 24
+
+
+def test_layer_parts_spread_what_one_item_costs_past_the_budget():
+    # SmolLM2 on AVX-512: 7000 deep, one item of 10 tokens costs 10 + 10 x 7000 / 3072 = 32.8
+    # tokens' worth against a budget of 24: two steps of half the layers each
+    config = SchedulerConfig(long_prefill_decode_budget=24)
+    policy = ChunkPolicy.from_config(config, 3072.0, 10)
+    assert [policy.layer_parts(p, 10) for p in (0, 4000, 4400, 7000, 12000, 40000)] == [
+        1, 1, 2, 2, 3, 4,
+    ]  # fmt: skip
+    assert policy.layer_parts(0, 24) == 1 and policy.layer_parts(1000, 17) == 1
+    assert ChunkPolicy.from_config(config, 3072.0, 1).layer_parts(7000, 10) == 1  # no kernel
+    one = ChunkPolicy.from_config(SchedulerConfig(long_prefill_layer_parts=1), 3072.0, 10)
+    assert one.layer_parts(40000, 10) == 1
+    with pytest.raises(ValueError, match="long_prefill_layer_parts"):
+        ChunkPolicy.from_config(SchedulerConfig(long_prefill_layer_parts=0), None, 10)
+
+
+class LayeredRunner(FakeRunner):
+    """Runs a chunk with ``layer_parts`` over that many steps, as the captured runner does:
+    unfinished until its last share."""
+
+    prefill_chunk_quantum = 4
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        self.shares: dict[tuple[str, int, int], int] = {}
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self.steps.append(sched)
+        unfinished = set()
+        for s in sched.scheduled:
+            key = (s.request_id, s.start_pos, s.num_tokens)
+            done = self.shares.pop(key, 0) + 1
+            if done < s.layer_parts:
+                self.shares[key] = done
+                unfinished.add(s.request_id)
+        sampled = {
+            s.request_id: self._tokens(s)
+            for s in sched.scheduled
+            if s.sample and s.request_id not in unfinished
+        }
+        return RunnerOutput(sampled, unfinished=unfinished)
+
+
+@pytest.mark.parametrize("max_parts", [4, 1])
+def test_a_chunk_spread_over_steps_is_scheduled_again_until_whole(max_parts):
+    engine, runner = make_engine(
+        num_blocks=1024, max_num_batched_tokens=64, max_model_len=1024, attention_crossover=64,
+        long_prefill_token_threshold=16, long_prefill_decode_budget=8,
+        long_prefill_layer_parts=max_parts, runner=LayeredRunner(1024),
+    )  # fmt: skip
+    for i in range(3):
+        engine.add_request(f"s{i}", [10 + i, 11 + i], _greedy(400))
+    engine.step()
+    engine.add_request("long", list(range(100, 600)), _greedy(3))
+    done = run_to_completion(engine)
+    scheduled = [x for step in runner.steps for x in step.scheduled if x.request_id == "long"]
+    # each chunk as often as its layer parts, in a row, then the next where it ended
+    pos = 0
+    i = 0
+    while pos < 500:
+        x = scheduled[i]
+        assert x.start_pos == pos
+        assert [(y.start_pos, y.num_tokens) for y in scheduled[i : i + x.layer_parts]] == [
+            (pos, x.num_tokens)
+        ] * x.layer_parts
+        pos += x.num_tokens
+        i += x.layer_parts
+    parts = [x.layer_parts for x in scheduled]
+    assert max(parts) == max_parts and (max_parts == 1 or 2 in parts)
+    assert done["long"].outputs[0].token_ids == _expected(599, 3)
+    for i in range(3):  # every stream got a token in every step
+        assert done[f"s{i}"].outputs[0].token_ids == _expected(11 + i, 400)
+        assert len(_chunks(runner, f"s{i}")) == 400

@@ -13,12 +13,15 @@ one token's attention costs as much as its linear layers (from the model's shape
 prefill kernel attends in work items of ``quantum`` tokens, and an item begun costs its whole
 attention: the chunk's attention is counted in items, and past the crossover the chunk is whole
 items, at least one (13 tokens 2000 deep in an 8000-token prompt were two items: those steps
-took ~15% longer than with one item of 10, in process). Alone, a long prompt takes the whole
-token budget.
+took ~15% longer than with one item of 10, in process). Deeper still, one item alone costs
+more than the budget: the chunk's layers are then spread over ``ceil(cost / budget)`` steps (at
+most ``long_prefill_layer_parts``; layered prefill, run by ``runner/captured.py``), each
+step a share of them. Alone, a long prompt takes the whole token budget.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pagellm.config import SchedulerConfig
@@ -37,6 +40,8 @@ class ChunkPolicy:
     chunked: bool
     quantum: int = 1
     """Tokens per work item of the runner's prefill kernel (1: no rounding)."""
+    max_layer_parts: int = 1
+    """Most steps a chunk's layers may be spread over (1: a chunk is one step)."""
 
     @classmethod
     def from_config(
@@ -50,6 +55,8 @@ class ChunkPolicy:
                 raise ValueError(f"{name} must be >= 1")
         if threshold < 0 or config.long_prefill_decode_budget < 0:
             raise ValueError("long_prefill_token_threshold and its budget must be >= 0")
+        if config.long_prefill_layer_parts < 1:
+            raise ValueError("long_prefill_layer_parts must be >= 1")
         return cls(
             long_threshold=threshold,
             max_partial=config.max_num_partial_prefills,
@@ -58,6 +65,7 @@ class ChunkPolicy:
             crossover=crossover or float("inf"),
             chunked=config.enable_chunked_prefill,
             quantum=max(1, quantum),
+            max_layer_parts=config.long_prefill_layer_parts if quantum > 1 else 1,
         )
 
     def is_long(self, req: Request) -> bool:
@@ -83,6 +91,15 @@ class ChunkPolicy:
         if best == 0 or depth >= 1.0:
             return q * max(1, best // q)
         return best
+
+    def layer_parts(self, start_pos: int, tokens: int) -> int:
+        """Steps to spread a chunk of ``tokens`` from ``start_pos`` over while others decode,
+        so that each step's share of its cost is about ``decode_budget`` (1: the chunk fits)."""
+        if self.max_layer_parts == 1 or not self.decode_budget:
+            return 1
+        items = -(-tokens // self.quantum)
+        cost = tokens + items * self.quantum * start_pos / self.crossover
+        return max(1, min(self.max_layer_parts, math.ceil(cost / self.decode_budget - 1e-9)))
 
 
 class StepChunks:
@@ -111,3 +128,9 @@ class StepChunks:
         self.partial += 1
         self.long_partial += long
         return num_new
+
+    def layer_parts(self, req: Request, start_pos: int, num_new: int) -> int:
+        """Steps ``req``'s chunk of ``num_new`` tokens may take (see ``ChunkPolicy``)."""
+        if not (self.decoding and self.policy.chunked and self.policy.is_long(req)):
+            return 1
+        return self.policy.layer_parts(start_pos, num_new)

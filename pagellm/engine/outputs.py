@@ -32,6 +32,10 @@ class ScheduledRequest:
     token_bitmask: Any = None
     """Structured outputs: the allowed tokens of each sampling row (int32 bitmask rows, one per
     proposal plus one; row j as if the first j proposals were accepted), None if unconstrained."""
+    layer_parts: int = 1
+    """A long prompt's deep chunk beside decoding streams: the runner may spread its layers
+    over this many steps (layered prefill); the scheduler schedules the same chunk again until
+    the runner reports it whole (``RunnerOutput.unfinished``)."""
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +82,9 @@ class RunnerOutput:
     num_proposed: dict[str, int] = field(default_factory=dict)
     """Draft-model speculation: request id -> tokens its draft proposed and the target
     verified this step."""
+    unfinished: set[str] = field(default_factory=set)
+    """Chunks that went through only some of the model's layers this step (``layer_parts``):
+    their tokens are not computed yet, and the chunk is scheduled again."""
 
 
 @dataclass(slots=True)

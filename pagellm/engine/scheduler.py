@@ -180,7 +180,9 @@ class Scheduler:
                 continue
             if not self._make_room(i, num_new, preempted):
                 continue  # req itself was preempted and left ``running``
-            scheduled.append(self._scheduled(req, num_new))
+            item = self._scheduled(req, num_new)
+            item.layer_parts = chunks.layer_parts(req, item.start_pos, num_new)
+            scheduled.append(item)
             budget -= num_new
             i += 1
         return budget
@@ -317,7 +319,9 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self.clock()
             self.running.append(req)
-            scheduled.append(self._scheduled(req, num_new))
+            item = self._scheduled(req, num_new)
+            item.layer_parts = chunks.layer_parts(req, item.start_pos, num_new)
+            scheduled.append(item)
             budget -= num_new
 
     def _reuse_parent_prompt(self, req: Request) -> bool:
@@ -376,6 +380,8 @@ class Scheduler:
             req = self.requests.get(item.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if item.request_id in result.unfinished:
+                continue  # some layers of its chunk are still to run: scheduled again
             tokens = result.sampled.get(item.request_id) or []
             num_spec = len(item.spec_token_ids)
             proposed = num_spec or result.num_proposed.get(item.request_id, 0)

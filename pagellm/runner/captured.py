@@ -25,7 +25,9 @@ in the step and through one prefill kernel call per layer, which reads a chunk's
 for all its tokens (a long prompt's cut chunk deep in its prompt: the decode kernel read the
 prefix once per token). A CPU gains nothing from padding a batch up to a bucket (a padded row
 costs the same arithmetic as a real one), so each number of rows gets its own plan, built on first
-use (about a millisecond). Under eager-only settings (``--enforce-eager``), with tensor or
+use (about a millisecond). A long prompt's chunk the scheduler spreads over several steps
+(``layer_parts``, layered prefill) goes through a share of the layers per step, the other rows
+through all of them (``LayeredChunk``). Under eager-only settings (``--enforce-eager``), with tensor or
 pipeline parallelism, an FP8 KV cache, q/k norms or a GPU, steps stay eager.
 
 A linear layer that is not one bare kernel call (several quantized parts, a bias after a
@@ -163,6 +165,81 @@ class Activations:
         self.act = buf(mlp.intermediate)
 
 
+class LayeredChunk:
+    """Layered prefill: a long prompt's deep chunk beside decoding streams goes through the
+    model's layers over ``layer_parts`` steps, so that no step pays its whole cost (deep in an
+    8000-token prompt one work item of the prefill kernel, 10 tokens, read ~7000 keys per head
+    and layer: the step took ~2.7x a decode step). Between parts the chunk's rows of the residual
+    stream and its pending addend wait here; its K/V of the layers done are in its blocks, which
+    the scheduler keeps (it schedules the same chunk again until the chunk is whole)."""
+
+    def __init__(self, rows: int, model: nn.Module, dtype: torch.dtype) -> None:
+        hidden = model.arch.hidden_size
+        self.residual = torch.zeros(rows, hidden, dtype=dtype)
+        self.addend = torch.zeros(rows, hidden, dtype=dtype)
+        self.key: tuple[str, int, tuple[int, ...], tuple[int, ...]] | None = None
+        """The parked chunk: request, first position, tokens and blocks."""
+        self.next_layer = 0
+        self.num_parts = 0
+        """Steps that ran a share of a chunk's layers so far (tests read it)."""
+
+    @staticmethod
+    def _key(s: ScheduledRequest) -> tuple[str, int, tuple[int, ...], tuple[int, ...]]:
+        return (s.request_id, s.start_pos, tuple(s.token_ids), tuple(s.block_ids))
+
+    def layers(
+        self, scheduled: list[ScheduledRequest], num_chunks: int, num_layers: int
+    ) -> tuple[int, int]:
+        """The layers this step's chunks go through: all but for one chunk spread over steps,
+        whose next share of (about) ``num_layers / layer_parts`` layers it is."""
+        chunk = scheduled[-1]
+        if num_chunks != 1 or chunk.layer_parts <= 1:
+            return 0, num_layers
+        first = self.next_layer if self.key == self._key(chunk) else 0
+        parts = min(chunk.layer_parts, num_layers)
+        ends = [round(p * num_layers / parts) for p in range(1, parts + 1)]
+        return first, next(e for e in ends if e > first)
+
+    def ran(self, chunk: ScheduledRequest, first: int, end: int, num_layers: int) -> str | None:
+        """Record a step; returns the request whose chunk is not through all layers yet."""
+        if (first, end) == (0, num_layers):
+            if self.key is not None and self.key[0] == chunk.request_id:
+                self.key = None
+            return None
+        self.num_parts += 1
+        if end == num_layers:
+            self.key = None
+            return None
+        self.key, self.next_layer = self._key(chunk), end
+        return chunk.request_id
+
+    def forget(self, request_ids: list[str]) -> None:
+        if self.key is not None and self.key[0] in request_ids:
+            self.key = None
+
+    def park_call(self, acts: Activations, rowwise: int, b: int) -> Call:
+        """After the chunk's last layer of a step: its rows of the stream wait here."""
+        rows = b - rowwise
+
+        def park() -> int:
+            self.residual[:rows].copy_(acts.residual[rowwise:b])
+            self.addend[:rows].copy_(acts.proj[rowwise:b])
+            return 0
+
+        return park
+
+    def restore_call(self, acts: Activations, rowwise: int, b: int) -> Call:
+        """Before the chunk's first layer of a later step: its rows come back as they left."""
+        rows = b - rowwise
+
+        def restore() -> int:
+            acts.residual[rowwise:b].copy_(self.residual[:rows])
+            acts.proj[rowwise:b].copy_(self.addend[:rows])
+            return 0
+
+        return restore
+
+
 class CapturedDecoder:
     """Plans of bare kernel calls for decode steps of up to ``max_size`` sequences."""
 
@@ -181,8 +258,12 @@ class CapturedDecoder:
         self.dtype = backend.dtype
         self.inputs = StepInputs(max_size, 64)
         self.acts = Activations(max_size, model, self.dtype)
-        self.plans: dict[tuple[int, int, int], list[Call]] = {}
-        """Plans by (rows, rows the decode kernel attends, prefill kernel chunks)."""
+        self.plans: dict[tuple[int, int, int, int, int], list[Call]] = {}
+        """Plans by (rows, rows the decode kernel attends, prefill kernel chunks, the chunks'
+        first layer and end layer)."""
+        self.layered = LayeredChunk(max_size, model, self.dtype)
+        self.unfinished: str | None = None
+        """The request whose chunk went through only some layers in the last step."""
         self.num_steps = 0
         """Steps run captured so far (tests and the step profile read it)."""
         self.num_kernel_chunks = 0
@@ -257,17 +338,25 @@ class CapturedDecoder:
         while num_chunks < len(scheduled) and self._kernel_chunk(scheduled[-1 - num_chunks]):
             num_chunks += 1
         b, rowwise = self.inputs.fill(scheduled, self.block_size, num_chunks)
-        key = (b, rowwise, num_chunks)
+        first, end = self.layered.layers(scheduled, num_chunks, len(self.model.layers))
+        key = (b, rowwise, num_chunks, first, end)
         plan = self.plans.get(key)
         if plan is None:
             plan = self.plans[key] = self._build(*key)
         for call in plan:
             rc = call()
             if rc:
+                self.layered.forget([scheduled[-1].request_id])
                 raise RuntimeError(f"a captured decode step's kernel failed with code {rc}")
+        self.unfinished = self.layered.ran(scheduled[-1], first, end, len(self.model.layers))
         self.num_steps += 1
         self.num_kernel_chunks += num_chunks
         return self.acts.normed[:b]
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Requests that ended or were preempted: a chunk of theirs halfway through the layers
+        is dropped (its KV blocks are freed or move)."""
+        self.layered.forget(request_ids)
 
     def _widen_tables(self, blocks: int) -> None:
         """Block tables wider than any plan was built for: new tables, plans built again."""
@@ -279,11 +368,14 @@ class CapturedDecoder:
 
     # ----- building a plan ------------------------------------------------------------
 
-    def _build(self, b: int, rowwise: int, num_chunks: int) -> list[Call]:
+    def _build(self, b: int, rowwise: int, num_chunks: int, first: int, end: int) -> list[Call]:
+        """The step's calls; the chunks (rows ``rowwise..b``) go through layers ``first..end``
+        only (layered prefill: then there is one chunk), the other rows through all."""
         model, acts, ops, code = self.model, self.acts, self.ops, DTYPE_CODES[self.dtype]
         threads = torch.get_num_threads()
-        residual, normed = acts.residual[:b], acts.normed[:b]
-        ids = self.inputs.ids[:b]
+        num_layers = len(model.layers)
+        embedded = b if first == 0 else rowwise
+        residual, ids = acts.residual[:embedded], self.inputs.ids[:embedded]
 
         def embed() -> int:
             residual.copy_(model.embed_tokens(ids))
@@ -291,18 +383,25 @@ class CapturedDecoder:
 
         plan: list[Call] = [embed]
         x = None  # the residual stream's pending addend (none before the first layer)
-        for layer, cache in zip(model.layers, self.kv_caches, strict=True):
-            plan.append(self._norm(layer.input_layernorm, x, b, code, threads))
-            plan += self._attention(layer.self_attn, cache, b, rowwise, num_chunks, code, threads)
-            plan.append(self._norm(layer.post_attention_layernorm, acts.proj[:b], b, code, threads))
-            plan.append(self._linear(layer.mlp.gate_up_proj, normed, acts.gate_up[:b]))
+        for i, (layer, cache) in enumerate(zip(model.layers, self.kv_caches, strict=True)):
+            n = b if first <= i < end else rowwise
+            if i == first and first > 0:
+                plan.append(self.layered.restore_call(acts, rowwise, b))
+            plan.append(self._norm(layer.input_layernorm, x, n, code, threads))
+            chunks = num_chunks if n == b else 0
+            plan += self._attention(layer.self_attn, cache, n, rowwise, chunks, code, threads)
+            plan.append(self._norm(layer.post_attention_layernorm, acts.proj[:n], n, code, threads))
+            plan.append(self._linear(layer.mlp.gate_up_proj, acts.normed[:n], acts.gate_up[:n]))
             plan.append(
-                ops.bound(ops.silu_mul, code, acts.gate_up.data_ptr(), acts.act.data_ptr(), b,
+                ops.bound(ops.silu_mul, code, acts.gate_up.data_ptr(), acts.act.data_ptr(), n,
                           layer.mlp.intermediate, threads)
             )  # fmt: skip
-            plan.append(self._linear(layer.mlp.down_proj, acts.act[:b], acts.proj[:b]))
-            x = acts.proj[:b]
-        plan.append(self._norm(model.norm, x, b, code, threads))
+            plan.append(self._linear(layer.mlp.down_proj, acts.act[:n], acts.proj[:n]))
+            x = acts.proj[:n]
+            if i == end - 1 and end < num_layers:
+                plan.append(self.layered.park_call(acts, rowwise, b))
+        n = b if end == num_layers else rowwise
+        plan.append(self._norm(model.norm, acts.proj[:n], n, code, threads))
         return run_from_c(plan, ops.run_calls)
 
     def _norm(self, norm: nn.Module, x: torch.Tensor | None, b: int, code: int, threads: int):

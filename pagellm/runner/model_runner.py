@@ -360,6 +360,8 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.sampler.forget(sched.finished_request_ids)
+        if self.captured is not None:
+            self.captured.forget(sched.finished_request_ids + sched.preempted_request_ids)
         # swap-outs read device blocks the forward (or a swap-in) may overwrite: copy them first
         copy_blocks(self.kv_caches, self.host_caches, sched.swap_out)
         copy_blocks(self.host_caches, self.kv_caches, sched.swap_in)
@@ -373,16 +375,19 @@ class ModelRunner:
             scheduled, proposals = self._draft_proposals(scheduled)
         if not scheduled:
             return RunnerOutput({})
+        unfinished: set[str] = set()
         with torch.inference_mode():
             if self.captured is not None and self.captured.runs(scheduled):
                 sample_reqs, logits = self._captured_logits(scheduled)
+                if self.captured.unfinished is not None:
+                    unfinished.add(self.captured.unfinished)
             else:
                 groups = split_batch(scheduled, self.microbatches)
                 parts = [prepare_inputs(g, self.backend.is_row_wise, self.device) for g in groups]
                 sample_reqs = [r for part in parts for r in part.sample_reqs]
                 logits = self._logits(parts)
             if logits is None:
-                return RunnerOutput({})
+                return RunnerOutput({}, unfinished=unfinished)
             result = self.sampler.sample_step(
                 logits, sample_reqs, proposals.probs if proposals else None
             )
@@ -401,7 +406,7 @@ class ModelRunner:
                     num_proposed[req.request_id] = proposed
                     accepted = len(sampled[req.request_id]) - 1
                     self.draft.verified(req, proposed, accepted)
-        return RunnerOutput(sampled, logprobs, failed, num_proposed)
+        return RunnerOutput(sampled, logprobs, failed, num_proposed, unfinished)
 
     def _captured_logits(
         self, scheduled: list[ScheduledRequest]
@@ -410,17 +415,18 @@ class ModelRunner:
         (the last one, or the last ``1 + len(spec_token_ids)``)."""
         scheduled = self.captured.order(scheduled)
         hidden = self.captured.forward(scheduled)
+        unfinished = self.captured.unfinished  # not through all layers: nothing to sample
         rows: list[int] = []
         end = 0
         for s in scheduled:
             end += s.num_tokens
-            if s.sample:
+            if s.sample and s.request_id != unfinished:
                 rows.extend(range(end - 1 - len(s.spec_token_ids), end))
         if not rows:
             return [], None
         if len(rows) < hidden.shape[0]:
             hidden = hidden.index_select(0, torch.tensor(rows, dtype=torch.long))
-        sample_reqs = [s for s in scheduled if s.sample]
+        sample_reqs = [s for s in scheduled if s.sample and s.request_id != unfinished]
         return sample_reqs, self.model.compute_logits(hidden)
 
     def _draft_proposals(
