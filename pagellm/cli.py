@@ -45,6 +45,38 @@ def _base_type(annotation: Any) -> type:
     return annotation
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0-65535)")
+    return value
+
+
+def _above_zero(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} must be above 0")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its message
+    return parse
+
+
+def _at_least_zero(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{text} must be 0 or more")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
 def add_config_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
@@ -81,10 +113,18 @@ def _checked_value(parser: argparse.ArgumentParser, action: argparse.Action, key
         import json
 
         return json.dumps(value)
+    if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):  # on/off flags
+        if value is not None and not isinstance(value, bool):
+            parser.error(f"--config: {key}: {value!r} is not true or false")
+        return value
     if value is None or action.type is None or isinstance(value, bool):
         return value
+    if getattr(action.type, "__name__", "") == "int" and isinstance(value, float):
+        parser.error(f"--config: {key}: {value!r} is not a whole number")
     try:
         value = action.type(value)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"--config: {key}: {exc}")
     except (TypeError, ValueError):
         parser.error(f"--config: {key}: {value!r} is not a valid {action.type.__name__}")
     if action.choices is not None and value not in action.choices:
@@ -96,17 +136,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from pagellm.engine.sampling_params import SamplingParams
     from pagellm.llm import LLM
 
-    llm = LLM(**engine_kwargs(args))
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        max_tokens=args.max_tokens,
-        seed=args.sampling_seed,
-    )
-    if args.chat:
-        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
-    else:
-        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    try:  # a setting, a path or a prompt that cannot work: one line, as serve says it
+        llm = LLM(**engine_kwargs(args))
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_tokens=args.max_tokens,
+            seed=args.sampling_seed,
+        )
+        if args.chat:
+            outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+        else:
+            outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"pagellm generate: {exc}") from exc
     print(outputs[0].outputs[0].text)
     return 0
 
@@ -137,7 +180,12 @@ def _draining_server_class() -> type:
 def _api_key(args: argparse.Namespace) -> str | None:
     """--api-key, else --api-key-file's first line, else $PAGELLM_API_KEY or $VLLM_API_KEY (the
     last three keep the key out of the process list)."""
-    if args.api_key:
+    if args.api_key is not None:
+        if not args.api_key.strip():  # e.g. --api-key "$KEY" with KEY unset: not "no auth"
+            raise SystemExit(
+                "pagellm serve: --api-key is empty; give a key, or leave the flag out to serve "
+                "without authentication"
+            )
         return args.api_key
     if args.api_key_file:
         try:
@@ -154,7 +202,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
 def _add_body_timeout(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--client-body-timeout",
-        type=float,
+        type=_above_zero(float),
         default=60.0,
         help="seconds a request body may take to arrive whole; past them, 408 (nginx's name)",
     )
@@ -238,7 +286,10 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         flag_backends=tuple(args.backend),
         disable_ui=args.disable_ui,
     )
-    tokenizers = load_tokenizers(args.tokenizer)
+    try:
+        tokenizers = load_tokenizers(args.tokenizer)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"pagellm gateway: --tokenizer: {exc}") from exc
     _serve_until_drained(build_gateway_app(Gateway(settings, tokenizers=tokenizers)), args)
     return 0
 
@@ -320,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument(
         "--api-key",
@@ -335,26 +386,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="with an API key, leave /metrics open (for a Prometheus scraper)",
     )
     serve.add_argument(
-        "--max-body-bytes", type=int, default=4 << 20, help="larger bodies get 413 (4 MiB)"
+        "--max-body-bytes",
+        type=_above_zero(int),
+        default=4 << 20,
+        help="larger bodies get 413 (4 MiB)",
     )
     _add_body_timeout(serve)
     serve.add_argument(
         "--max-num-queued-requests",
-        type=int,
+        type=_at_least_zero(int),
         default=4096,
         help="sequences (prompts x n) admitted but not yet producing output; more get 503 "
         "with Retry-After (0: unbounded)",
     )
-    serve.add_argument("--max-num-queued-tokens", type=int, default=None)
+    serve.add_argument("--max-num-queued-tokens", type=_above_zero(int), default=None)
     serve.add_argument(
         "--max-seqs-per-request",
-        type=int,
+        type=_above_zero(int),
         default=256,
         help="most sequences (a completions request's prompts x n) one request may ask for",
     )
     serve.add_argument(
         "--request-timeout",
-        type=float,
+        type=_above_zero(float),
         default=None,
         help="abort a request this many seconds after it arrives and answer 504 (default: none)",
     )
@@ -372,10 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the model's tool-call format for tool_choice auto",
     )
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     serve.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=_at_least_zero(float),
         default=30.0,
         help="on SIGTERM: stop accepting, let in-flight requests finish this long, exit 0",
     )
@@ -385,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gw = sub.add_parser("gateway", help="one door in front of OpenAI-compatible replicas")
     gw.add_argument("--host", default="127.0.0.1")
-    gw.add_argument("--port", type=int, default=8080)
+    gw.add_argument("--port", type=_port, default=8080)
     gw.add_argument("--backend", action="append", default=[], help="replica base URL (repeat)")
     gw.add_argument("--disable-ui", action="store_true", help="no fleet console at /ui")
     from pagellm.gateway.routing import ROUTING_POLICIES
@@ -393,24 +447,28 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--routing", choices=ROUTING_POLICIES, default="least-load")
     gw.add_argument(
         "--max-attempts",
-        type=int,
+        type=_above_zero(int),
         default=2,
         help="replicas tried per request; another is tried only when one could not take the "
         "request (no connection, 502, 503 without Retry-After, a stream ended before its first "
         "event): any other answer is relayed as the replica's own",
     )
-    gw.add_argument("--health-interval", type=float, default=2.0, help="seconds between checks")
+    gw.add_argument(
+        "--health-interval", type=_above_zero(float), default=2.0, help="seconds between checks"
+    )
     gw.add_argument(
         "--breaker-failures",
-        type=int,
+        type=_above_zero(int),
         default=3,
         help="consecutive failures that open a replica's breaker (failed health checks, lost "
         "connections, 502s and 503s without Retry-After; never a replica's other answers)",
     )
-    gw.add_argument("--breaker-reset", type=float, default=5.0, help="seconds before a probe")
+    gw.add_argument(
+        "--breaker-reset", type=_at_least_zero(float), default=5.0, help="seconds before a probe"
+    )
     gw.add_argument(
         "--upstream-timeout",
-        type=float,
+        type=_above_zero(float),
         default=600.0,
         help="seconds to wait on a replica's answer before answering 504 (never retried)",
     )
@@ -422,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gw.add_argument(
         "--max-body-bytes",
-        type=int,
+        type=_above_zero(int),
         default=4 << 20,
         help="largest request body, counted as it arrives (after the key is checked); over "
         "it, 413 (default 4 MiB)",
@@ -449,8 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
         "without one under a tokens_per_minute limit)) and 'overload' (max_load, cap_at, "
         "max_tokens_cap, queue_size, queue_timeout); re-read when it changes, without a restart",
     )
-    gw.add_argument("--log-level", default="info")
-    gw.add_argument("--shutdown-timeout", type=float, default=30.0)
+    gw.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    gw.add_argument("--shutdown-timeout", type=_at_least_zero(float), default=30.0)
     gw.set_defaults(func=_cmd_gateway)
 
     cl = sub.add_parser("cluster", help="replicas on Ray behind the gateway")

@@ -257,7 +257,73 @@ class EngineConfig:
             if key not in owners:
                 raise TypeError(f"unknown engine setting {key!r}")
             parts[owners[key]][key] = value
-        return cls(**{area: _AREAS[area](**vals) for area, vals in parts.items()})
+        config = cls(**{area: _AREAS[area](**vals) for area, vals in parts.items()})
+        check_settings(config)
+        return config
+
+
+_AT_LEAST: dict[str, int] = {
+    "block_size": 1,
+    "max_num_seqs": 1,
+    "max_num_batched_tokens": 1,
+    "max_model_len": 1,
+    "num_gpu_blocks_override": 1,
+    "num_host_blocks_override": 0,
+    "swap_space": 0,
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "pipeline_microbatches": 0,
+    "preemption_protect_after": 0,
+}
+_ABOVE_ZERO = ("kv_cache_memory", "gpu_memory_utilization", "distributed_timeout")
+
+
+def check_settings(config: EngineConfig) -> None:
+    """Every setting of the type its field declares and in its range, else ValueError naming
+    it: a YAML ``"false"`` is not taken for true, nor ``1.7`` sequences for 1, and a zero step
+    budget or block size is refused at start-up instead of hanging requests or dividing by 0."""
+    for area in _AREAS:
+        sub = getattr(config, area)
+        for f in dataclasses.fields(sub):
+            value = getattr(sub, f.name)
+            _check_type(f.name, str(f.type), value)
+            if value is None:
+                continue
+            if f.name in _AT_LEAST and value < _AT_LEAST[f.name]:
+                raise ValueError(f"{f.name} must be at least {_AT_LEAST[f.name]}, got {value}")
+            if f.name in _ABOVE_ZERO and not value > 0:
+                raise ValueError(f"{f.name} must be above 0, got {value}")
+    if config.cache.gpu_memory_utilization > 1:
+        raise ValueError(
+            f"gpu_memory_utilization is a fraction of the GPU's memory (at most 1), "
+            f"got {config.cache.gpu_memory_utilization}"
+        )
+
+
+def _check_type(name: str, annotation: str, value: Any) -> None:
+    kinds = [k.strip() for k in annotation.split("|")]
+    if value is None:
+        if "None" in kinds:
+            return
+        raise ValueError(f"{name} must be set, got None")
+    kind = kinds[0]
+    if kind == "bool":
+        ok = isinstance(value, bool)
+        wanted = "true or false"
+    elif kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        wanted = "an integer"
+    elif kind == "float":
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        wanted = "a number"
+    elif kind == "str":
+        # JSON-object settings also take the mapping itself (a YAML file, LLM(...))
+        ok = isinstance(value, str) or (isinstance(value, dict) and name.endswith("_config"))
+        wanted = "a string"
+    else:
+        return
+    if not ok:
+        raise ValueError(f"{name} must be {wanted}, got {value!r}")
 
 
 _AREAS: dict[str, type] = {

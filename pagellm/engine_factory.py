@@ -17,6 +17,23 @@ from pagellm.spec.settings import SpecSettings, spec_settings
 from pagellm.structured.grammar import GrammarCompiler, StructuredOutputManager
 
 
+def check_fits_model(config: EngineConfig, max_len: int, num_layers: int) -> None:
+    """Settings that cannot work with this model's length or depth, refused at start-up."""
+    sched = config.scheduler
+    if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
+        raise ValueError(
+            f"max_num_batched_tokens={sched.max_num_batched_tokens} is below "
+            f"max_model_len={max_len}: without chunked prefill a longer prompt could never be "
+            "scheduled; raise --max-num-batched-tokens, lower --max-model-len or enable "
+            "chunked prefill"
+        )
+    if config.parallel.pipeline_parallel_size > num_layers:
+        raise ValueError(
+            f"pipeline_parallel_size={config.parallel.pipeline_parallel_size} exceeds the "
+            f"model's {num_layers} layers"
+        )
+
+
 def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
     check_kv_cache_settings(config)
     spec = spec_settings(config.speculative)  # a bad --speculative-config fails before loading
@@ -27,7 +44,12 @@ def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
     arch = files.arch
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
-    tokenizer_source = resolve_source(config.model.tokenizer) if config.model.tokenizer else source
+    tokenizer_source = source
+    if config.model.tokenizer:
+        try:
+            tokenizer_source = resolve_source(config.model.tokenizer)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"--tokenizer: {exc}") from exc
     tokenizer = Tokenizer.load(tokenizer_source, arch.eos_token_id)
     max_len = config.model.max_model_len or arch.max_position_embeddings
     if max_len > arch.max_position_embeddings:
@@ -35,6 +57,7 @@ def build_engine(config: EngineConfig) -> tuple[LLMEngine, Tokenizer]:
             f"max_model_len={max_len} exceeds the model's context length "
             f"({arch.max_position_embeddings})"
         )
+    check_fits_model(config, max_len, arch.num_layers)
     swap = config.scheduler.preemption_mode == "swap"
     draft_files = open_draft(spec, arch, config) if spec is not None else None
     if config.parallel.world_size > 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,13 +32,21 @@ class LLM:
         """Outputs in the order of ``prompts``; one params for all, or one per prompt."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
+        for p in {id(p): p for p in params_list}.values():
+            p.validate()  # again: its fields may have changed since it was made
         self._compile_grammars(params_list)
-        ids = []
-        for i, (prompt, p) in enumerate(zip(prompt_list, params_list, strict=True)):
-            rid = str(self._counter)
-            self._counter += 1
-            self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
-            ids.append(rid)
+        ids: list[str] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompt_list, params_list, strict=True)):
+                rid = str(self._counter)
+                self._counter += 1
+                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_requests(ids)  # all or nothing: those queued before it go too
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -47,7 +56,11 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template and generate a reply."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(messages, list) or not messages:
+            raise TypeError("messages must be a non-empty list of messages (or of conversations)")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        for conv in conversations:
+            _check_messages(conv)
         prompts = [self.tokenizer.chat_token_ids(conv) for conv in conversations]
         return self.generate(prompts, params, use_tqdm)
 
@@ -90,12 +103,41 @@ class LLM:
         return [done[rid] for rid in ids]
 
 
+def _check_messages(conversation: Any) -> None:
+    """A conversation as the chat template expects it: a list of messages, each with a string
+    role and string (or content-part list) content."""
+    if not isinstance(conversation, list) or not conversation:
+        raise TypeError("a conversation must be a non-empty list of messages")
+    for i, message in enumerate(conversation):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise TypeError(f"message {i} must be a mapping with a string 'role'")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise TypeError(f"message {i}: 'content' must be a string or a list of parts")
+        if content is None and not message.get("tool_calls"):
+            raise ValueError(f"message {i} has no 'content'")
+
+
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    if prompts and isinstance(prompts[0], int):
-        return [list(prompts)]  # a single prompt given as token ids
-    return list(prompts)
+    if not isinstance(prompts, list | tuple):
+        raise TypeError(
+            f"prompts must be a string, a list of token ids or a list of those, "
+            f"got {type(prompts).__name__}"
+        )
+    if prompts and _is_token_id(prompts[0]):
+        prompts = [list(prompts)]  # a single prompt given as token ids
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            continue
+        if not isinstance(prompt, list | tuple) or not all(map(_is_token_id, prompt)):
+            raise TypeError("each prompt must be a string or a list of integer token ids")
+    return [p if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _as_params_list(
@@ -105,6 +147,10 @@ def _as_params_list(
         return [SamplingParams() for _ in range(count)]
     if isinstance(params, SamplingParams):
         return [params] * count
+    if not isinstance(params, list | tuple) or not all(
+        isinstance(p, SamplingParams) for p in params
+    ):
+        raise TypeError("params must be a SamplingParams or a list of them")
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling params for {count} prompts")
     return list(params)

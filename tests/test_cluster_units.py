@@ -22,7 +22,7 @@ GOOD = {
     "ray_config": {"address": "auto", "num_replicas": 2, "min_replicas": 1, "max_replicas": 4,
                    "resources_per_replica": {"CPU": 4, "node_b": 1}},
     "gateway": {"port": 9000, "routing": "prefix-affinity",
-                "keys": [{"name": "a", "key_sha256": "00"}], "overload": {"max_load": 8}},
+                "keys": [{"name": "a", "key_sha256": "0" * 64}], "overload": {"max_load": 8}},
 }  # fmt: skip
 
 
@@ -86,6 +86,16 @@ def test_structured_outputs_and_tool_settings_reach_the_replicas():
         ({"ray_config": {"resources_per_replica": {"CPU": 2, "GPU": 1}}}, "one GPU per rank"),
         ({"gateway": {"prot": 1}}, "'prot'"),
         ({"deployment_config": {"served_name": "x"}}, "'served_name'"),
+        ({"engine_args": {"block_size": 0}}, "block_size must be at least 1"),
+        ({"engine_args": {"tensor_parallel_size": 0}}, "tensor_parallel_size"),
+        ({"engine_args": {"enable_prefix_caching": "false"}}, "true or false"),
+        ({"engine_args": {"kv_cache_memory": -1}}, "kv_cache_memory must be above 0"),
+        ({"ray_config": {"resources_per_replica": {"CPU": "two"}}}, "resources_per_replica.CPU"),
+        ({"ray_config": {"resources_per_replica": {"CPU": -2}}}, "resources_per_replica.CPU"),
+        ({"ray_config": {"start_timeout": 0}}, "start_timeout"),
+        ({"ray_config": {"upscale_delay": -5}}, "upscale_delay"),
+        ({"gateway": {"port": 70000}}, "gateway.port"),
+        ({"gateway": {"max_attempts": 0}}, "max_attempts"),
     ],
 )
 def test_bad_files_name_the_key(change, named):

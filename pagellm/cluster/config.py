@@ -326,6 +326,7 @@ def _check_speculative(args: dict[str, Any], where: str) -> None:
 
 
 def _check(config: ClusterConfig, where: str) -> None:
+    _check_ranges(config, where)
     r = config.ray
     if not 1 <= config.min_replicas <= r.num_replicas <= config.max_replicas:
         raise ClusterConfigError(
@@ -350,6 +351,41 @@ def _check(config: ClusterConfig, where: str) -> None:
         raise ClusterConfigError(f"{where}: gateway.routing must be one of {ROUTING_POLICIES}")
     _check_deployment(config.deployment, where)
     _check_gateway(config.gateway, where)
+
+
+def _check_ranges(config: ClusterConfig, where: str) -> None:
+    """Values of the right type but out of range, refused here rather than inside Ray."""
+    try:
+        EngineConfig.from_flat(**config.engine_args)
+    except (TypeError, ValueError) as exc:
+        raise ClusterConfigError(f"{where}: engine_args: {exc}") from exc
+    for name, amount in config.ray.resources_per_replica.items():
+        if isinstance(amount, bool) or not isinstance(amount, int | float) or amount < 0:
+            raise ClusterConfigError(
+                f"{where}: ray_config.resources_per_replica.{name} must be a number >= 0"
+            )
+    r, g = config.ray, config.gateway
+    rules = [
+        ("ray_config.health_interval", r.health_interval, 0, False),
+        ("ray_config.upscale_queue_depth", r.upscale_queue_depth, 0, False),
+        ("ray_config.upscale_delay", r.upscale_delay, 0, True),
+        ("ray_config.downscale_delay", r.downscale_delay, 0, True),
+        ("ray_config.start_timeout", r.start_timeout, 0, False),
+        ("ray_config.max_restarts", r.max_restarts, -1, True),
+        ("ray_config.controller_max_restarts", r.controller_max_restarts, -1, True),
+        ("gateway.max_attempts", g.max_attempts, 0, False),
+        ("gateway.health_interval", g.health_interval, 0, False),
+        ("gateway.breaker_failures", g.breaker_failures, 0, False),
+        ("gateway.breaker_reset", g.breaker_reset, 0, True),
+        ("gateway.max_body_bytes", g.max_body_bytes, 0, False),
+        ("gateway.upstream_timeout", g.upstream_timeout, 0, False),
+    ]
+    for name, value, bound, inclusive in rules:
+        if value < bound or (value == bound and not inclusive):
+            sign = ">=" if inclusive else ">"
+            raise ClusterConfigError(f"{where}: {name} must be {sign} {bound}, got {value}")
+    if not 0 <= g.port <= 65535:
+        raise ClusterConfigError(f"{where}: gateway.port {g.port} is not a port (0-65535)")
 
 
 def _check_deployment(d: DeploymentConfig, where: str) -> None:

@@ -5,6 +5,7 @@ that names it, and a reload that fails keeps the fleet that was running."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,8 @@ class GatewaySettings:
 def read_fleet(path: str | Path | None, flag_backends: tuple[str, ...] = ()) -> Fleet:
     """The fleet from the config file (if any) plus the ``--backend`` replicas."""
     data = _load_yaml(path) if path else {}
-    backends = (*_urls(data, "backends", path), *flag_backends)
+    flags = tuple(checked_url(u, "--backend") for u in flag_backends)
+    backends = (*_urls(data, "backends", path), *flags)
     fleet = Fleet(
         backends=tuple(dict.fromkeys(backends)),
         fallbacks=_urls(data, "fallbacks", path),
@@ -127,14 +129,31 @@ def _urls(data: dict[str, Any], name: str, path: Any) -> tuple[str, ...]:
     urls = data.get(name) or []
     if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
         raise ConfigError(f"{path}: '{name}' must be a list of URLs")
-    return tuple(u.rstrip("/") for u in urls)
+    return tuple(checked_url(u, f"{path}: '{name}'") for u in urls)
+
+
+def checked_url(url: str, where: str) -> str:
+    """A replica's base URL (http or https, with a host), without its trailing slash."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{where}: {url!r} is not an http(s) URL with a host")
+    return url.rstrip("/")
 
 
 def checked_keys(entries: Any, where: Any) -> tuple[dict[str, Any], ...]:
     """The API key entries of a config, each checked (``where`` names the file in errors)."""
     if not isinstance(entries, list):
         raise ConfigError(f"{where}: 'keys' must be a list")
-    return tuple(_checked_key(entry, i, where) for i, entry in enumerate(entries))
+    keys = tuple(_checked_key(entry, i, where) for i, entry in enumerate(entries))
+    seen: set[str] = set()
+    for i, entry in enumerate(keys):
+        digest = str(entry.get("key_sha256") or "").lower() or f"key:{entry.get('key')}"
+        if digest in seen:
+            raise ConfigError(f"{where}: keys[{i}] repeats an earlier key")
+        seen.add(digest)
+    return keys
 
 
 def _checked_key(entry: Any, index: int, path: Any) -> dict[str, Any]:
@@ -154,6 +173,9 @@ def _checked_key(entry: Any, index: int, path: Any) -> dict[str, Any]:
             raise ConfigError(f"{where}: {name!r} must be above 0")
     if not entry.get("key_sha256") and not entry.get("key"):
         raise ConfigError(f"{where}: give key_sha256 (or key)")
+    digest = entry.get("key_sha256")
+    if digest and not re.fullmatch(r"[0-9a-fA-F]{64}", digest):
+        raise ConfigError(f"{where}: 'key_sha256' must be 64 hex digits (sha256 of the key)")
     return dict(entry)
 
 
@@ -175,4 +197,6 @@ def checked_overload(data: Any, path: Any) -> OverloadSettings:
             raise ConfigError(f"{path}: overload: unknown setting {name!r}")
         if value is not None and not _is_a(value, (int, float)):
             raise ConfigError(f"{path}: overload: {name!r} must be a number")
+        if value is not None and value < 0:
+            raise ConfigError(f"{path}: overload: {name!r} must be 0 or more")
     return OverloadSettings(**data)

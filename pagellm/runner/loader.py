@@ -36,6 +36,8 @@ def resolve_dtype(dtype: str, device: torch.device | str = "cpu") -> torch.dtype
         "bf16": torch.bfloat16,
         "float16": torch.float16,
         "fp16": torch.float16,
+        "float": torch.float32,  # vLLM's aliases
+        "half": torch.float16,
     }
     if dtype not in table:
         raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, bfloat16 or float16")
@@ -71,7 +73,11 @@ def open_model(source: Path, quantization: str | None = None) -> ModelFiles:
     config_file = source / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{source} has no config.json (expected an HF model directory)")
-    arch = ModelArch.from_hf_config(json.loads(config_file.read_text()))
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{config_file} is not valid JSON: {exc}") from exc
+    arch = ModelArch.from_hf_config(hf_config)
     return ModelFiles(source, arch, None, resolve_plan(quantization, source, None))
 
 

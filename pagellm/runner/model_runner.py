@@ -19,6 +19,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -120,6 +121,16 @@ def _bytes_per_block(
         cache.block_size,
         dtype,
     )
+
+
+def _allocate(make: Callable[[], list[Any]], setting: str) -> list[Any]:
+    """The caches ``make`` allocates; a refused allocation names the setting that asked."""
+    try:
+        return make()
+    except (RuntimeError, MemoryError) as exc:
+        if "alloc" not in str(exc).lower() and not isinstance(exc, MemoryError):
+            raise
+        raise ValueError(f"{setting} cannot be allocated on this machine: lower it") from exc
 
 
 def _backend(
@@ -242,11 +253,17 @@ class ModelRunner:
             )
         cache_dtype = self.backend.cache_dtype
         self.num_blocks = num_blocks_for(arch, cache, cache_dtype, comm, budget, draft_arch)
-        self.kv_caches = self.backend.allocate_cache(layers, self.num_blocks)
+        self.kv_caches = _allocate(
+            lambda: self.backend.allocate_cache(layers, self.num_blocks),
+            f"--kv-cache-memory {cache.kv_cache_memory} GiB ({self.num_blocks} blocks)",
+        )
         self.num_host_blocks = (
             num_host_blocks_for(arch, cache, cache_dtype, comm, draft_arch) if swap else 0
         )
-        self.host_caches = self.backend.allocate_cache(layers, self.num_host_blocks, host=True)
+        self.host_caches = _allocate(
+            lambda: self.backend.allocate_cache(layers, self.num_host_blocks, host=True),
+            f"--swap-space {cache.swap_space} GiB ({self.num_host_blocks} blocks)",
+        )
         """Separate host tensors for swapped-out KV (pinned under a GPU)."""
         self._set_checkpoint_kv_scales()
         self.draft = None
