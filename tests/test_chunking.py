@@ -148,25 +148,30 @@ def test_policy_defaults():
 
 
 def test_chunks_deep_in_a_prompt_fill_the_prefill_kernels_items():
-    config = SchedulerConfig(long_prefill_decode_budget=16)
+    config = SchedulerConfig(long_prefill_decode_budget=16, long_prefill_layer_parts=1)
     plain = ChunkPolicy.from_config(config, 64.0)
     items = ChunkPolicy.from_config(config, 64.0, quantum=5)
     assert [plain.chunk_while_decoding(p) for p in (0, 32, 64, 192, 640)] == [16, 10, 8, 4, 1]
     # attention counted per item begun; from the crossover on whole items, at least one even
     # where its attention alone passes the budget
     assert [items.chunk_while_decoding(p) for p in (0, 32, 64, 192, 640)] == [16, 10, 5, 5, 5]
-    wide = ChunkPolicy.from_config(SchedulerConfig(long_prefill_decode_budget=40), 64.0, 5)
+    wide = ChunkPolicy.from_config(
+        SchedulerConfig(long_prefill_decode_budget=40, long_prefill_layer_parts=1), 64.0, 5
+    )
     assert [wide.chunk_while_decoding(p) for p in (0, 64, 128, 192)] == [40, 20, 10, 10]
 
 
 def test_a_chunk_does_not_begin_an_item_it_cannot_pay_for():
     # SmolLM2's shapes on AVX-512: budget 24, crossover ~3072, items of 10 tokens. 2000 deep,
     # 13 tokens (24 / 1.65) were two items, 13 + 2 x 10 x 0.65 = 26 > 24: now one item of 10.
-    policy = ChunkPolicy.from_config(SchedulerConfig(long_prefill_decode_budget=24), 3072.0, 10)
+    one_step = SchedulerConfig(long_prefill_decode_budget=24, long_prefill_layer_parts=1)
+    policy = ChunkPolicy.from_config(one_step, 3072.0, 10)
     assert policy.chunk_while_decoding(2000) == 10
     assert policy.chunk_while_decoding(1000) == 17  # two items fit: 17 + 2 x 10 x 0.33 < 24
     assert policy.chunk_while_decoding(0) == 24
-    small = ChunkPolicy.from_config(SchedulerConfig(long_prefill_decode_budget=4), 3072.0, 10)
+    small = ChunkPolicy.from_config(
+        SchedulerConfig(long_prefill_decode_budget=4, long_prefill_layer_parts=1), 3072.0, 10
+    )
     assert small.chunk_while_decoding(0) == 4  # no attention at position 0: no item to fill
     assert policy.chunk_while_decoding(7000) == 10
     for pos in range(0, 8000, 50):
@@ -189,6 +194,23 @@ def test_layer_parts_spread_what_one_item_costs_past_the_budget():
     assert one.layer_parts(40000, 10) == 1
     with pytest.raises(ValueError, match="long_prefill_layer_parts"):
         ChunkPolicy.from_config(SchedulerConfig(long_prefill_layer_parts=0), None, 10)
+
+
+def test_layered_chunks_take_the_most_tokens_a_step_within_the_budget():
+    # 7000 deep an item of 10 costs 32.8: 2 items over 3 steps (21.9 a step, 6.7 tokens)
+    # beat 1 over 2 (5 tokens); 5000 deep (26.3 an item) 3 items over 4 steps; where one
+    # item fits, one item in one step
+    policy = ChunkPolicy.from_config(SchedulerConfig(long_prefill_decode_budget=24), 3072.0, 10)
+    for pos, tokens, parts in ((7000, 20, 3), (5000, 30, 4), (4000, 10, 1), (2000, 10, 1)):
+        assert policy.chunk_while_decoding(pos) == tokens
+        assert policy.layer_parts(pos, tokens) == parts
+    for pos in range(0, 12000, 50):
+        n = policy.chunk_while_decoding(pos)
+        parts = policy.layer_parts(pos, n)
+        cost = n + -(-n // 10) * 10 * pos / 3072
+        assert cost / parts <= 24 or (n == 10 and parts == 4)  # past 4 parts: one item
+    two = ChunkPolicy.from_config(SchedulerConfig(long_prefill_layer_parts=2), 3072.0, 10)
+    assert two.chunk_while_decoding(7000) == 10 and two.layer_parts(7000, 10) == 2
 
 
 class LayeredRunner(FakeRunner):
