@@ -157,6 +157,8 @@ def test_the_offline_api_refuses_bad_calls_and_keeps_working(tiny_models):
     for messages in ([{"role": 5, "content": "x"}], [{"role": "user"}], []):
         with pytest.raises((TypeError, ValueError)):
             llm.chat(messages, good)
+    with pytest.raises(ValueError, match="not valid Unicode"):  # a lone surrogate
+        llm.generate("a\udcff", good)
     with pytest.raises(ValueError):  # the second prompt is refused: the first is not left queued
         llm.generate(["a good one", [10**9]], good)
     assert not llm.engine.has_unfinished_requests()
