@@ -52,6 +52,9 @@ def _port(text: str) -> int:
     return value
 
 
+_port.__name__ = "int"  # argparse names the type in its message; config files check whole numbers
+
+
 def _above_zero(kind: type) -> Any:
     def parse(text: str) -> Any:
         value = kind(text)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -274,6 +275,11 @@ _AT_LEAST: dict[str, int] = {
     "pipeline_parallel_size": 1,
     "pipeline_microbatches": 0,
     "preemption_protect_after": 0,
+    "long_prefill_token_threshold": 0,
+    "max_num_partial_prefills": 1,
+    "max_long_partial_prefills": 1,
+    "long_prefill_decode_budget": 0,
+    "long_prefill_layer_parts": 1,
 }
 _ABOVE_ZERO = ("kv_cache_memory", "gpu_memory_utilization", "distributed_timeout")
 
@@ -317,8 +323,11 @@ def _check_type(name: str, annotation: str, value: Any) -> None:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         wanted = "a number"
     elif kind == "str":
-        # JSON-object settings also take the mapping itself (a YAML file, LLM(...))
-        ok = isinstance(value, str) or (isinstance(value, dict) and name.endswith("_config"))
+        # JSON-object settings also take the mapping itself (a YAML file, LLM(...)), paths a
+        # path object
+        ok = isinstance(value, str | os.PathLike) or (
+            isinstance(value, dict) and name.endswith("_config")
+        )
         wanted = "a string"
     else:
         return

@@ -184,13 +184,14 @@ def test_layer_parts_spread_what_one_item_costs_past_the_budget():
     # SmolLM2 on AVX-512: 7000 deep, one item of 10 tokens costs 10 + 10 x 7000 / 3072 = 32.8
     # tokens' worth against a budget of 24: two steps of half the layers each
     config = SchedulerConfig(long_prefill_decode_budget=24)
-    policy = ChunkPolicy.from_config(config, 3072.0, 10)
+    policy = ChunkPolicy.from_config(config, 3072.0, 10, layered_rows=512)
     assert [policy.layer_parts(p, 10) for p in (0, 4000, 4400, 7000, 12000, 40000)] == [
         1, 1, 2, 2, 3, 4,
     ]  # fmt: skip
     assert policy.layer_parts(0, 24) == 1 and policy.layer_parts(1000, 17) == 1
-    assert ChunkPolicy.from_config(config, 3072.0, 1).layer_parts(7000, 10) == 1  # no kernel
-    one = ChunkPolicy.from_config(SchedulerConfig(long_prefill_layer_parts=1), 3072.0, 10)
+    assert ChunkPolicy.from_config(config, 3072.0, 1, 512).layer_parts(7000, 10) == 1  # no kernel
+    assert ChunkPolicy.from_config(config, 3072.0, 10).layer_parts(7000, 10) == 1  # eager steps
+    one = ChunkPolicy.from_config(SchedulerConfig(long_prefill_layer_parts=1), 3072.0, 10, 512)
     assert one.layer_parts(40000, 10) == 1
     with pytest.raises(ValueError, match="long_prefill_layer_parts"):
         ChunkPolicy.from_config(SchedulerConfig(long_prefill_layer_parts=0), None, 10)
@@ -200,7 +201,8 @@ def test_layered_chunks_take_the_most_tokens_a_step_within_the_budget():
     # 7000 deep an item of 10 costs 32.8: 2 items over 3 steps (21.9 a step, 6.7 tokens)
     # beat 1 over 2 (5 tokens); 5000 deep (26.3 an item) 3 items over 4 steps; where one
     # item fits, one item in one step
-    policy = ChunkPolicy.from_config(SchedulerConfig(long_prefill_decode_budget=24), 3072.0, 10)
+    config = SchedulerConfig(long_prefill_decode_budget=24)
+    policy = ChunkPolicy.from_config(config, 3072.0, 10, layered_rows=512)
     for pos, tokens, parts in ((7000, 20, 3), (5000, 30, 4), (4000, 10, 1), (2000, 10, 1)):
         assert policy.chunk_while_decoding(pos) == tokens
         assert policy.layer_parts(pos, tokens) == parts
@@ -209,8 +211,12 @@ def test_layered_chunks_take_the_most_tokens_a_step_within_the_budget():
         parts = policy.layer_parts(pos, n)
         cost = n + -(-n // 10) * 10 * pos / 3072
         assert cost / parts <= 24 or (n == 10 and parts == 4)  # past 4 parts: one item
-    two = ChunkPolicy.from_config(SchedulerConfig(long_prefill_layer_parts=2), 3072.0, 10)
+    two = ChunkPolicy.from_config(SchedulerConfig(long_prefill_layer_parts=2), 3072.0, 10, 512)
     assert two.chunk_while_decoding(7000) == 10 and two.layer_parts(7000, 10) == 2
+    # the step's other rows leave room for one item only (captured steps of at most 24 rows)
+    narrow = ChunkPolicy.from_config(config, 3072.0, 10, layered_rows=24)
+    assert narrow.chunk_while_decoding(7000, others=8) == 10
+    assert narrow.chunk_while_decoding(7000, others=4) == 20
 
 
 class LayeredRunner(FakeRunner):
@@ -218,6 +224,7 @@ class LayeredRunner(FakeRunner):
     unfinished until its last share."""
 
     prefill_chunk_quantum = 4
+    layered_prefill_rows = 1024
 
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks)

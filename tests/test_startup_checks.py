@@ -4,6 +4,7 @@ their YAML files, the offline API), instead of a traceback, a hang or a silent m
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 from llm_helpers import tiny_llm
@@ -34,6 +35,9 @@ from pagellm.gateway.config import ConfigError, read_fleet
         ({"pipeline_parallel_size": -1}, "pipeline_parallel_size"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"dtype": 16}, "dtype must be a string"),
+        ({"long_prefill_layer_parts": 0}, "long_prefill_layer_parts must be at least 1"),
+        ({"max_num_partial_prefills": 0}, "max_num_partial_prefills"),
+        ({"long_prefill_decode_budget": -1}, "long_prefill_decode_budget"),
     ],
 )
 def test_engine_settings_out_of_type_or_range_are_refused(setting, named):
@@ -47,6 +51,7 @@ def test_good_settings_and_json_mappings_pass():
         speculative_config={"method": "ngram", "num_speculative_tokens": 2},
     )  # fmt: skip
     assert config.scheduler.max_num_seqs == 8 and not config.cache.enable_prefix_caching
+    assert EngineConfig.from_flat(model=Path("/m.gguf")).model.model == Path("/m.gguf")
 
 
 def test_settings_the_model_cannot_meet():
@@ -97,6 +102,7 @@ def test_a_config_file_value_out_of_range_names_its_key(tmp_path, capsys):
         ("disable-ui: 'false'\n", "disable-ui: 'false' is not true or false"),
         ("enable-prefix-caching: 'no'\n", "is not true or false"),
         ("max-num-seqs: 1.7\n", "max-num-seqs: 1.7 is not a whole number"),
+        ("port: 8000.7\n", "port: 8000.7 is not a whole number"),
     ],
 )
 def test_a_config_file_value_of_the_wrong_kind_is_not_coerced(tmp_path, capsys, text, named):

@@ -43,11 +43,18 @@ class ChunkPolicy:
     """Tokens per work item of the runner's prefill kernel (1: no rounding)."""
     max_layer_parts: int = 1
     """Most steps a chunk's layers may be spread over (1: a chunk is one step)."""
+    layered_rows: int = 0
+    """Most rows of a step whose chunk the runner can spread over steps (0: it cannot)."""
 
     @classmethod
     def from_config(
-        cls, config: SchedulerConfig, crossover: float | None, quantum: int = 1
+        cls,
+        config: SchedulerConfig,
+        crossover: float | None,
+        quantum: int = 1,
+        layered_rows: int = 0,
     ) -> ChunkPolicy:
+        """``layered_rows``: the runner's ``layered_prefill_rows`` (captured steps' rows)."""
         threshold = config.long_prefill_token_threshold
         if threshold is None:  # vLLM's 4% of max_model_len made ordinary chat prompts long
             threshold = config.max_num_batched_tokens
@@ -66,20 +73,22 @@ class ChunkPolicy:
             crossover=crossover or float("inf"),
             chunked=config.enable_chunked_prefill,
             quantum=max(1, quantum),
-            max_layer_parts=config.long_prefill_layer_parts if quantum > 1 else 1,
+            max_layer_parts=config.long_prefill_layer_parts if quantum > 1 and layered_rows else 1,
+            layered_rows=layered_rows,
         )
 
     def is_long(self, req: Request) -> bool:
         return 0 < self.long_threshold < req.num_prompt_tokens
 
-    def chunk_while_decoding(self, start_pos: int) -> int:
+    def chunk_while_decoding(self, start_pos: int, others: int = 0) -> int:
         """Tokens from ``start_pos`` on whose cost is about ``decode_budget`` (at least 1).
 
         With work items of ``quantum`` tokens, attention is paid per item begun: ``n`` tokens
         cost ``n`` (their linear layers) plus ``quantum * start_pos / crossover`` for each of
         their ``ceil(n / quantum)`` items. The chunk is the most tokens that fit the budget;
         past the crossover, where attention is most of the cost, whole items (at least one:
-        fewer tokens cost an item's attention all the same)."""
+        fewer tokens cost an item's attention all the same). ``others``: the rows of the step
+        besides the chunk (a layered chunk must leave the step within ``layered_rows``)."""
         depth = start_pos / self.crossover
         if self.quantum == 1:
             return max(1, int(self.decode_budget / (1.0 + depth)))
@@ -90,17 +99,17 @@ class ChunkPolicy:
             if tokens > (items - 1) * q:  # these items are all begun
                 best = max(best, tokens)
         if best == 0 or depth >= 1.0:
-            return q * max(best // q, self._layered_items(depth))
+            return q * max(best // q, self._layered_items(depth, self.layered_rows - others))
         return best
 
-    def _layered_items(self, depth: float) -> int:
+    def _layered_items(self, depth: float, room: int) -> int:
         """Whole items for a chunk that may spread its layers over steps: the most tokens per
         step with every step's share within the budget (fewer steps on a tie; 1 without
         layered steps). 7000 deep in SmolLM2 (items of 10, budget 24): 2 items over 3 steps,
         6.7 tokens a step, against 1 item over 2 steps."""
         per_item = self.quantum * (1.0 + depth)
         best, best_rate = 1, 0.0
-        for items in range(1, 4 * self.max_layer_parts + 1):
+        for items in range(1, min(4 * self.max_layer_parts, room // self.quantum) + 1):
             parts = math.ceil(items * per_item / self.decode_budget - 1e-9)
             if parts > self.max_layer_parts:
                 break
@@ -121,10 +130,12 @@ class ChunkPolicy:
 class StepChunks:
     """The partial prefills of one step being scheduled, and the chunk each request gets."""
 
-    def __init__(self, policy: ChunkPolicy, decoding: bool) -> None:
+    def __init__(self, policy: ChunkPolicy, decoding: bool, others: int = 0) -> None:
         self.policy = policy
         self.decoding = decoding
         """Whether other requests decode in this step."""
+        self.others = others
+        """Rows the step's other requests may take (at most)."""
         self.partial = 0
         self.long_partial = 0
 
@@ -134,7 +145,7 @@ class StepChunks:
             return num_new
         long = self.policy.is_long(req)
         if long and self.decoding and self.policy.decode_budget:
-            num_new = min(num_new, self.policy.chunk_while_decoding(start_pos))
+            num_new = min(num_new, self.policy.chunk_while_decoding(start_pos, self.others))
         if num_new >= remaining:
             return num_new
         if self.partial >= self.policy.max_partial or (

@@ -137,6 +137,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config.scheduler, self.kv_manager, clock, attention_crossover, self.spec,
             chunk_quantum=getattr(executor, "prefill_chunk_quantum", 1),
+            layered_rows=getattr(executor, "layered_prefill_rows", 0),
         )  # fmt: skip
         self.structured = structured
         if structured is not None:

@@ -40,8 +40,10 @@ class Scheduler:
         attention_crossover: float | None = None,
         spec: SpecSettings | None = None,
         chunk_quantum: int = 1,
+        layered_rows: int = 0,
     ) -> None:
-        """``attention_crossover`` and ``chunk_quantum``: see ``ChunkPolicy``."""
+        """``attention_crossover``, ``chunk_quantum`` and ``layered_rows``: see
+        ``ChunkPolicy``."""
         self.config = config
         self.spec = spec
         self.proposer = (
@@ -52,7 +54,9 @@ class Scheduler:
         self.allowed_proposal: Callable[[str, list[int] | None], int | None] | None = None
         """Structured outputs: how many of a request's proposed tokens (None: a draft model's,
         not known yet) its grammar lets it verify; None for an unconstrained request."""
-        self.chunking = ChunkPolicy.from_config(config, attention_crossover, chunk_quantum)
+        self.chunking = ChunkPolicy.from_config(
+            config, attention_crossover, chunk_quantum, layered_rows
+        )
         self.kv = kv_manager
         self.clock = clock
         self.requests: dict[str, Request] = {}
@@ -140,7 +144,8 @@ class Scheduler:
         self.running.sort(key=self.policy.rank)
         for_arrivals = self._preempt_for_arrivals(budget)
         decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
-        chunks = StepChunks(self.chunking, decoding)
+        others = len(self.running) + len(self.swapped)  # ~a row each (the long one too: margin)
+        chunks = StepChunks(self.chunking, decoding, others)
         budget = self._schedule_running(budget, scheduled, preempted, chunks)
         if not preempted:  # blocks ran short for running requests: admit nobody new
             budget = self._schedule_swapped(budget, scheduled)

@@ -343,11 +343,15 @@ class CapturedDecoder:
         plan = self.plans.get(key)
         if plan is None:
             plan = self.plans[key] = self._build(*key)
-        for call in plan:
-            rc = call()
-            if rc:
-                self.layered.forget([scheduled[-1].request_id])
-                raise RuntimeError(f"a captured decode step's kernel failed with code {rc}")
+        try:
+            for call in plan:
+                rc = call()
+                if rc:
+                    raise RuntimeError(f"a captured decode step's kernel failed with code {rc}")
+        except BaseException:
+            # the parked rows may already hold this step's share: never resume from them
+            self.layered.forget([scheduled[-1].request_id])
+            raise
         self.unfinished = self.layered.ran(scheduled[-1], first, end, len(self.model.layers))
         self.num_steps += 1
         self.num_kernel_chunks += num_chunks

@@ -253,16 +253,27 @@ class ModelRunner:
             )
         cache_dtype = self.backend.cache_dtype
         self.num_blocks = num_blocks_for(arch, cache, cache_dtype, comm, budget, draft_arch)
+        if cache.num_gpu_blocks_override is not None:
+            asked_by = f"--num-gpu-blocks-override {cache.num_gpu_blocks_override}"
+        elif budget is not None:
+            asked_by = f"--gpu-memory-utilization {cache.gpu_memory_utilization}"
+        else:
+            asked_by = f"--kv-cache-memory {cache.kv_cache_memory} GiB"
         self.kv_caches = _allocate(
             lambda: self.backend.allocate_cache(layers, self.num_blocks),
-            f"--kv-cache-memory {cache.kv_cache_memory} GiB ({self.num_blocks} blocks)",
+            f"{asked_by} ({self.num_blocks} blocks)",
         )
         self.num_host_blocks = (
             num_host_blocks_for(arch, cache, cache_dtype, comm, draft_arch) if swap else 0
         )
+        host_asked_by = (
+            f"--num-host-blocks-override {cache.num_host_blocks_override}"
+            if cache.num_host_blocks_override is not None
+            else f"--swap-space {cache.swap_space} GiB"
+        )
         self.host_caches = _allocate(
             lambda: self.backend.allocate_cache(layers, self.num_host_blocks, host=True),
-            f"--swap-space {cache.swap_space} GiB ({self.num_host_blocks} blocks)",
+            f"{host_asked_by} ({self.num_host_blocks} blocks)",
         )
         """Separate host tensors for swapped-out KV (pinned under a GPU)."""
         self._set_checkpoint_kv_scales()
@@ -314,6 +325,14 @@ class ModelRunner:
         if not isinstance(kernel, PagedPrefillKernel) or self.backend.batch_invariant:
             return 1
         return max(1, kernel.item_rows // self.backend.group)
+
+    @property
+    def layered_prefill_rows(self) -> int:
+        """Most rows of a step whose long-prompt chunk can go through a share of the layers
+        (layered prefill: captured steps with the prefill kernel); 0 where none can."""
+        if self.captured is None or self.captured.prefill_kernel is None:
+            return 0
+        return self.captured.max_size
 
     def _set_checkpoint_kv_scales(self) -> None:
         """An FP8 cache takes the checkpoint's per-layer k_scale / v_scale where it has them
@@ -399,6 +418,8 @@ class ModelRunner:
                 if self.captured.unfinished is not None:
                     unfinished.add(self.captured.unfinished)
             else:
+                if self.captured is not None:  # a parked chunk run whole here is done with
+                    self.captured.forget([s.request_id for s in scheduled])
                 groups = split_batch(scheduled, self.microbatches)
                 parts = [prepare_inputs(g, self.backend.is_row_wise, self.device) for g in groups]
                 sample_reqs = [r for part in parts for r in part.sample_reqs]
