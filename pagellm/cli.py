@@ -55,26 +55,25 @@ def _port(text: str) -> int:
 _port.__name__ = "int"  # argparse names the type in its message; config files check whole numbers
 
 
-def _above_zero(kind: type) -> Any:
+def _not_negative(kind: type, zero: bool) -> Any:
+    """An argparse type: ``kind`` values of at least 0 (``zero``) or above 0."""
+
     def parse(text: str) -> Any:
         value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text} must be above 0")
+        if value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"{text} must be {'0 or more' if zero else 'above 0'}")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its message
     return parse
 
 
-def _at_least_zero(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{text} must be 0 or more")
-        return value
+def _above_zero(kind: type) -> Any:
+    return _not_negative(kind, zero=False)
 
-    parse.__name__ = kind.__name__
-    return parse
+
+def _at_least_zero(kind: type) -> Any:
+    return _not_negative(kind, zero=True)
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")

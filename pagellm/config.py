@@ -20,8 +20,22 @@ QUANTIZATION_METHODS = (
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
+class _Checked:
+    """A settings area whose every field is checked when it is made (flags, YAML files,
+    ``LLM(...)``, cluster ``engine_args`` alike): of the type its field declares and in its
+    range, else ValueError naming it. A YAML ``"false"`` is not taken for true, nor ``1.7``
+    sequences for 1, and a zero step budget or block size is refused at start-up instead of
+    hanging requests or dividing by 0."""
+
+    __slots__ = ()
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            _check_field(f.name, str(f.type), getattr(self, f.name))
+
+
 @dataclass(frozen=True, slots=True)
-class ModelConfig:
+class ModelConfig(_Checked):
     """What to load and how."""
 
     model: str | None = None
@@ -55,7 +69,7 @@ class ModelConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class CacheConfig:
+class CacheConfig(_Checked):
     """The paged KV cache."""
 
     block_size: int = 16
@@ -87,7 +101,7 @@ class CacheConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class SchedulerConfig:
+class SchedulerConfig(_Checked):
     """Continuous batching limits."""
 
     max_num_seqs: int = 256
@@ -128,7 +142,7 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class ParallelConfig:
+class ParallelConfig(_Checked):
     """Splitting one replica's model over several worker processes."""
 
     tensor_parallel_size: int = 1
@@ -153,7 +167,7 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class SpeculativeConfig:
+class SpeculativeConfig(_Checked):
     """Speculative decoding (vLLM's flags; ``pagellm/spec/settings.py`` reads them)."""
 
     speculative_config: str | None = None
@@ -171,7 +185,7 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class CompilationConfig:
+class CompilationConfig(_Checked):
     """Captured decode steps (vLLM's flags; ``pagellm/runner/capture_settings.py`` reads them)."""
 
     enforce_eager: bool = False
@@ -184,7 +198,7 @@ class CompilationConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class StructuredOutputsConfig:
+class StructuredOutputsConfig(_Checked):
     """Structured outputs (vLLM's flag; ``structured_settings`` reads it)."""
 
     structured_outputs_config: str | None = None
@@ -258,9 +272,7 @@ class EngineConfig:
             if key not in owners:
                 raise TypeError(f"unknown engine setting {key!r}")
             parts[owners[key]][key] = value
-        config = cls(**{area: _AREAS[area](**vals) for area, vals in parts.items()})
-        check_settings(config)
-        return config
+        return cls(**{area: _AREAS[area](**vals) for area, vals in parts.items()})
 
 
 _AT_LEAST: dict[str, int] = {
@@ -284,25 +296,17 @@ _AT_LEAST: dict[str, int] = {
 _ABOVE_ZERO = ("kv_cache_memory", "gpu_memory_utilization", "distributed_timeout")
 
 
-def check_settings(config: EngineConfig) -> None:
-    """Every setting of the type its field declares and in its range, else ValueError naming
-    it: a YAML ``"false"`` is not taken for true, nor ``1.7`` sequences for 1, and a zero step
-    budget or block size is refused at start-up instead of hanging requests or dividing by 0."""
-    for area in _AREAS:
-        sub = getattr(config, area)
-        for f in dataclasses.fields(sub):
-            value = getattr(sub, f.name)
-            _check_type(f.name, str(f.type), value)
-            if value is None:
-                continue
-            if f.name in _AT_LEAST and value < _AT_LEAST[f.name]:
-                raise ValueError(f"{f.name} must be at least {_AT_LEAST[f.name]}, got {value}")
-            if f.name in _ABOVE_ZERO and not value > 0:
-                raise ValueError(f"{f.name} must be above 0, got {value}")
-    if config.cache.gpu_memory_utilization > 1:
+def _check_field(name: str, annotation: str, value: Any) -> None:
+    _check_type(name, annotation, value)
+    if value is None:
+        return
+    if name in _AT_LEAST and value < _AT_LEAST[name]:
+        raise ValueError(f"{name} must be at least {_AT_LEAST[name]}, got {value}")
+    if name in _ABOVE_ZERO and not value > 0:
+        raise ValueError(f"{name} must be above 0, got {value}")
+    if name == "gpu_memory_utilization" and value > 1:
         raise ValueError(
-            f"gpu_memory_utilization is a fraction of the GPU's memory (at most 1), "
-            f"got {config.cache.gpu_memory_utilization}"
+            f"gpu_memory_utilization is a fraction of the GPU's memory (at most 1), got {value}"
         )
 
 

@@ -464,7 +464,7 @@ def test_a_parked_chunk_resumes_only_as_it_left():
 
     def step(s: ScheduledRequest, num_chunks: int = 1) -> tuple[int, int, str | None]:
         first, end = layered.layers([s], num_chunks, 8)
-        return first, end, layered.ran(s, first, end, 8)
+        return first, end, layered.ran(end, 8)
 
     assert step(chunk()) == (0, 3, "long")
     assert step(chunk()) == (3, 5, "long")

@@ -17,7 +17,8 @@ took ~15% longer than with one item of 10, in process). Deeper still, one item a
 more than the budget: the chunk's layers are then spread over ``ceil(cost / budget)`` steps (at
 most ``long_prefill_layer_parts``; layered prefill, run by ``runner/captured.py``), each
 step a share of them, and the chunk is the number of whole items that gives the most tokens a
-step with every share within the budget (7000 deep: 2 items over 3 steps). Alone, a long prompt takes the whole token budget.
+step with every share within the budget (7000 deep: 2 items over 3 steps). Alone, a long prompt
+takes the whole token budget.
 """
 
 from __future__ import annotations
@@ -58,13 +59,7 @@ class ChunkPolicy:
         threshold = config.long_prefill_token_threshold
         if threshold is None:  # vLLM's 4% of max_model_len made ordinary chat prompts long
             threshold = config.max_num_batched_tokens
-        for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
-            if getattr(config, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if threshold < 0 or config.long_prefill_decode_budget < 0:
-            raise ValueError("long_prefill_token_threshold and its budget must be >= 0")
-        if config.long_prefill_layer_parts < 1:
-            raise ValueError("long_prefill_layer_parts must be >= 1")
+        # the ranges of these settings are SchedulerConfig's own checks
         return cls(
             long_threshold=threshold,
             max_partial=config.max_num_partial_prefills,

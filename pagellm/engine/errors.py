@@ -12,6 +12,16 @@ class RequestRejected(ValueError):
         self.param = param
 
 
+def check_unicode(text: str) -> str:
+    """``text`` if it is valid Unicode; a lone surrogate (JSON's ``\\udcff`` escape gives one)
+    cannot be encoded, tokenized or sent back, so it is a RequestRejected."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestRejected("text is not valid Unicode (it holds a lone surrogate)") from None
+    return text
+
+
 class ContextLengthExceeded(RequestRejected):
     def __init__(self, prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
         wanted = prompt_tokens + (max_tokens or 0)

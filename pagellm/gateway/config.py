@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from pagellm.gateway.limits import hash_key
+
 _KEY_FIELDS: dict[str, type | tuple[type, ...]] = {
     "name": str,
     "key_sha256": str,
@@ -149,7 +151,7 @@ def checked_keys(entries: Any, where: Any) -> tuple[dict[str, Any], ...]:
     keys = tuple(_checked_key(entry, i, where) for i, entry in enumerate(entries))
     seen: set[str] = set()
     for i, entry in enumerate(keys):
-        digest = str(entry.get("key_sha256") or "").lower() or f"key:{entry.get('key')}"
+        digest = str(entry.get("key_sha256") or hash_key(entry["key"])).lower()
         if digest in seen:
             raise ConfigError(f"{where}: keys[{i}] repeats an earlier key")
         seen.add(digest)

@@ -37,7 +37,7 @@ without AMX) runs as its module into the static buffer: still correct, only less
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -51,6 +51,7 @@ from pagellm.layers.linear import Linear
 from pagellm.layers.quant_linear import QuantLinear, QuantPart
 
 Call = Callable[[], Any]
+ChunkKey = tuple[str, int, tuple[int, ...], tuple[int, ...]]
 
 
 def unsupported_reason(model: nn.Module, backend: Any, device: torch.device) -> str | None:
@@ -177,15 +178,13 @@ class LayeredChunk:
         hidden = model.arch.hidden_size
         self.residual = torch.zeros(rows, hidden, dtype=dtype)
         self.addend = torch.zeros(rows, hidden, dtype=dtype)
-        self.key: tuple[str, int, tuple[int, ...], tuple[int, ...]] | None = None
+        self.key: ChunkKey | None = None
         """The parked chunk: request, first position, tokens and blocks."""
         self.next_layer = 0
+        self._step_key: ChunkKey | None = None
+        """The key of the chunk the running step layers (None: it layers none)."""
         self.num_parts = 0
         """Steps that ran a share of a chunk's layers so far (tests read it)."""
-
-    @staticmethod
-    def _key(s: ScheduledRequest) -> tuple[str, int, tuple[int, ...], tuple[int, ...]]:
-        return (s.request_id, s.start_pos, tuple(s.token_ids), tuple(s.block_ids))
 
     def layers(
         self, scheduled: list[ScheduledRequest], num_chunks: int, num_layers: int
@@ -193,28 +192,34 @@ class LayeredChunk:
         """The layers this step's chunks go through: all but for one chunk spread over steps,
         whose next share of (about) ``num_layers / layer_parts`` layers it is."""
         chunk = scheduled[-1]
+        self._step_key = None
         if num_chunks != 1 or chunk.layer_parts <= 1:
+            self.forget((chunk.request_id,))  # a parked chunk run whole is done with
             return 0, num_layers
-        first = self.next_layer if self.key == self._key(chunk) else 0
+        self._step_key = key = (
+            chunk.request_id, chunk.start_pos, tuple(chunk.token_ids), tuple(chunk.block_ids)
+        )  # fmt: skip
+        first = self.next_layer if self.key == key else 0
         parts = min(chunk.layer_parts, num_layers)
         ends = [round(p * num_layers / parts) for p in range(1, parts + 1)]
         return first, next(e for e in ends if e > first)
 
-    def ran(self, chunk: ScheduledRequest, first: int, end: int, num_layers: int) -> str | None:
-        """Record a step; returns the request whose chunk is not through all layers yet."""
-        if (first, end) == (0, num_layers):
-            if self.key is not None and self.key[0] == chunk.request_id:
-                self.key = None
+    def ran(self, end: int, num_layers: int) -> str | None:
+        """Record that the step's layered chunk went through its layers up to ``end``; returns
+        its request while layers are left."""
+        key, self._step_key = self._step_key, None
+        if key is None:
             return None
         self.num_parts += 1
         if end == num_layers:
             self.key = None
             return None
-        self.key, self.next_layer = self._key(chunk), end
-        return chunk.request_id
+        self.key, self.next_layer = key, end
+        return key[0]
 
-    def forget(self, request_ids: list[str]) -> None:
-        if self.key is not None and self.key[0] in request_ids:
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop the parked chunk if it belongs to one of ``request_ids`` (read only then)."""
+        if self.key is not None and any(r == self.key[0] for r in request_ids):
             self.key = None
 
     def park_call(self, acts: Activations, rowwise: int, b: int) -> Call:
@@ -350,16 +355,17 @@ class CapturedDecoder:
                     raise RuntimeError(f"a captured decode step's kernel failed with code {rc}")
         except BaseException:
             # the parked rows may already hold this step's share: never resume from them
-            self.layered.forget([scheduled[-1].request_id])
+            self.layered.forget((scheduled[-1].request_id,))
             raise
-        self.unfinished = self.layered.ran(scheduled[-1], first, end, len(self.model.layers))
+        self.unfinished = self.layered.ran(end, len(self.model.layers))
         self.num_steps += 1
         self.num_kernel_chunks += num_chunks
         return self.acts.normed[:b]
 
-    def forget(self, request_ids: list[str]) -> None:
-        """Requests that ended or were preempted: a chunk of theirs halfway through the layers
-        is dropped (its KV blocks are freed or move)."""
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Requests that ended or were preempted, or whose chunk an eager step ran whole: a
+        chunk of theirs halfway through the layers is dropped (its KV blocks are freed or
+        move)."""
         self.layered.forget(request_ids)
 
     def _widen_tables(self, blocks: int) -> None:

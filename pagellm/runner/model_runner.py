@@ -397,7 +397,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.sampler.forget(sched.finished_request_ids)
         if self.captured is not None:
-            self.captured.forget(sched.finished_request_ids + sched.preempted_request_ids)
+            self.captured.forget(sched.finished_request_ids)
+            self.captured.forget(sched.preempted_request_ids)
         # swap-outs read device blocks the forward (or a swap-in) may overwrite: copy them first
         copy_blocks(self.kv_caches, self.host_caches, sched.swap_out)
         copy_blocks(self.host_caches, self.kv_caches, sched.swap_in)
@@ -419,7 +420,7 @@ class ModelRunner:
                     unfinished.add(self.captured.unfinished)
             else:
                 if self.captured is not None:  # a parked chunk run whole here is done with
-                    self.captured.forget([s.request_id for s in scheduled])
+                    self.captured.forget(s.request_id for s in scheduled)
                 groups = split_batch(scheduled, self.microbatches)
                 parts = [prepare_inputs(g, self.backend.is_row_wise, self.device) for g in groups]
                 sample_reqs = [r for part in parts for r in part.sample_reqs]

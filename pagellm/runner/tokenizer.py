@@ -10,7 +10,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from pagellm.engine.errors import RequestRejected
+from pagellm.engine.errors import RequestRejected, check_unicode
 from pagellm.fetch import cache_dir
 
 
@@ -41,16 +41,11 @@ class Tokenizer:
         return len(self.hf)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; text that is not valid Unicode (a lone surrogate, which JSON's
-        ``\\udcff`` escape gives) is a RequestRejected, not the tokenizer's TypeError."""
+        """Token ids of ``text``; text that is not valid Unicode is a RequestRejected
+        (``check_unicode``), not the tokenizer's TypeError."""
         if not isinstance(text, str):
             raise RequestRejected(f"text to tokenize must be a string, got {type(text).__name__}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise RequestRejected(
-                f"the text is not valid Unicode: {exc.reason} at character {exc.start}"
-            ) from exc
+        check_unicode(text)
         return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -12,6 +12,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from pagellm.engine.errors import check_unicode
 from pagellm.engine.sampling_params import (
     MAX_LOGPROBS,
     MAX_N,
@@ -25,15 +26,7 @@ MAX_USER_CHARS = 256
 """The ``user`` field names a tenant (fair scheduling, metrics): a short id, not a document."""
 
 
-def _valid_unicode(text: str) -> str:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("text must be valid Unicode (it holds a lone surrogate)") from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(_valid_unicode)]
+Text = Annotated[str, AfterValidator(check_unicode)]
 Int64 = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
 
 
