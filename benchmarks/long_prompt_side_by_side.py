@@ -116,12 +116,21 @@ def render(runs: dict[str, dict]) -> str:
     if fair:
         frows = [
             [n, _f(f["itl_before_p99_ms"]), _f(f["itl_during_p99_ms"]), _f(f["p99_ratio"], 2),
+             _f(f.get("itl_after_p99_ms")), _f(f.get("p99_ratio_after"), 2),
              _f(f["long_ttft_ms"], 0)]
             for n, f in fair.items()
         ]  # fmt: skip
         lines.append(
             format_table(
-                ["fairness", "ITL p99 before", "ITL p99 during", "ratio", "long prompt TTFT"],
+                [
+                    "fairness",
+                    "ITL p99 before",
+                    "ITL p99 during",
+                    "ratio",
+                    "ITL p99 after",
+                    "during / after",
+                    "long prompt TTFT",
+                ],
                 frows,
             )
         )

@@ -9,7 +9,9 @@ memory of that process and its children while each request runs (peak RSS per le
 ``--fairness`` measures what a long prompt does to streams already decoding: ``--streams``
 requests decode for ``--baseline-s`` seconds, then one ``--fairness-input-len``-token prompt
 arrives; the report compares the streams' inter-token latencies before it with those while it is
-being prefilled (from its arrival to its first token).
+being prefilled (from its arrival to its first token), and with those of the ``--after-s`` seconds
+after its first token: the streams decode through the prefill, so their context, and with it a
+decode step's attention, grows; the window after shows that growth without the prefill.
 
 Output: a JSON report (``--output-json``) and a table headed by the CPU model.
 """
@@ -50,6 +52,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--stream-max-tokens", type=int, default=4000)
     p.add_argument("--fairness-input-len", type=int, default=8000)
     p.add_argument("--baseline-s", type=float, default=10.0, help="fairness: ITL window before")
+    p.add_argument(
+        "--after-s", type=float, default=10.0,
+        help="fairness: ITL window after the long prompt's first token (0: none)",
+    )  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=1800.0)
     p.add_argument("--label", default=None)
     p.add_argument("--output-json", default=None)
@@ -85,6 +91,11 @@ class Stream:
         """Inter-chunk gaps whose later chunk arrived in (after, until]."""
         t = self.chunk_times
         return [b - a for a, b in zip(t, t[1:], strict=False) if after < b <= until]
+
+    def gaps_within(self, start: float, end: float) -> list[float]:
+        """Inter-chunk gaps wholly in [start, end] (both chunks)."""
+        t = self.chunk_times
+        return [b - a for a, b in zip(t, t[1:], strict=False) if start <= a and b <= end]
 
 
 async def stream_completion(
@@ -270,12 +281,15 @@ async def run_fairness(args: argparse.Namespace, model: str, headers: dict[str, 
                 client, url, completion_body(model, long_prompt, 1), headers, long_stream
             )
         first_token = long_stream.first_event or time.perf_counter()
+        await asyncio.sleep(max(0.0, first_token + args.after_s - time.perf_counter()))
+        after_end = time.perf_counter()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     before = [g for s in streams for g in s.gaps(window_start, long_stream.sent)]
     during = [g for s in streams for g in s.gaps(long_stream.sent, first_token)]
-    p99_before, p99_during = _ms(before, 99), _ms(during, 99)
+    after = [g for s in streams for g in s.gaps_within(first_token, after_end)]
+    p99_before, p99_during, p99_after = _ms(before, 99), _ms(during, 99), _ms(after, 99)
     return {
         "streams": args.streams,
         "long_input_len": args.fairness_input_len,
@@ -287,9 +301,13 @@ async def run_fairness(args: argparse.Namespace, model: str, headers: dict[str, 
         "itl_during_p50_ms": _ms(during, 50),
         "itl_during_p99_ms": p99_during,
         "itl_during_max_ms": max(during) * 1000.0 if during else None,
+        "itl_after_p50_ms": _ms(after, 50),
+        "itl_after_p99_ms": p99_after,
         "gaps_before": len(before),
         "gaps_during": len(during),
+        "gaps_after": len(after),
         "p99_ratio": p99_during / p99_before if p99_before and p99_during else None,
+        "p99_ratio_after": p99_during / p99_after if p99_after and p99_during else None,
         "peak_rss_mib": rss.peak if args.server_pid else None,
     }
 
@@ -338,9 +356,14 @@ def render(report: dict[str, Any]) -> str:
              _fmt(f["itl_before_p99_ms"])],
             ["during its prefill", str(f["gaps_during"]), _fmt(f["itl_during_p50_ms"]),
              _fmt(f["itl_during_p99_ms"])],
+            ["after its first token", str(f.get("gaps_after", 0)),
+             _fmt(f.get("itl_after_p50_ms")), _fmt(f.get("itl_after_p99_ms"))],
         ]  # fmt: skip
         lines.append(rep.format_table(["streams' ITL", "gaps", "p50 ms", "p99 ms"], rows))
-        lines.append(f"p99 during / before: {_fmt(f['p99_ratio'], 2)}x")
+        lines.append(
+            f"p99 during / before: {_fmt(f['p99_ratio'], 2)}x; during / after: "
+            f"{_fmt(f.get('p99_ratio_after'), 2)}x (after: the streams' grown context alone)"
+        )
         return "\n".join(lines)
     rows = [
         [
