@@ -119,13 +119,14 @@ class SchedulerConfig(_Checked):
     """Most requests whose prefill goes on past the step (partial prefills) in one step."""
     max_long_partial_prefills: int = 1
     """Most long prompts among those partial prefills."""
-    long_prefill_decode_budget: int = 24
+    long_prefill_decode_budget: int = 20
     """A long prompt's work per step while others decode, in tokens at the start of a
     sequence: a chunk deeper in the prompt gets fewer tokens, as its attention reads more
     context, and past the attention crossover whole prefill-kernel items (the streams decoding
-    then keep their inter-token latency; 0: no cut). 24 measured best of 16/20/24/32 on an AVX2
-    EPYC (8 streams, an 8000-token prompt: streams' ITL p99 2.2-2.3x, the prompt's TTFT 110 s;
-    16: 2.3x, 129 s; 32: 3.5x)."""
+    then keep their inter-token latency; 0: no cut). 20 on a Zen 4 EPYC with layered prefill
+    (8 streams, an 8000-token prompt, bf16): streams' ITL p99 1.56-1.80x in 5 runs, the
+    prompt's TTFT 47-51 s; 24: 1.59-2.11x, 40-46 s; 16: 1.70-1.72x, 60-62 s. (An AVX2 EPYC
+    before layered prefill, fp32, one run each: 24 2.2x, 20 2.6x, 16 2.3x.)"""
     long_prefill_layer_parts: int = 4
     """Layered prefill: while others decode, a long prompt's chunk that costs more than
     --long-prefill-decode-budget even at one work item (deep in the prompt) goes through the

@@ -17,8 +17,8 @@ took ~15% longer than with one item of 10, in process). Deeper still, one item a
 more than the budget: the chunk's layers are then spread over ``ceil(cost / budget)`` steps (at
 most ``long_prefill_layer_parts``; layered prefill, run by ``runner/captured.py``), each
 step a share of them, and the chunk is the number of whole items that gives the most tokens a
-step with every share within the budget (7000 deep: 2 items over 3 steps). Alone, a long prompt
-takes the whole token budget.
+step with every share within the budget (7000 deep, budget 20: 1 item over 2 steps). Alone, a
+long prompt takes the whole token budget.
 """
 
 from __future__ import annotations
@@ -100,8 +100,9 @@ class ChunkPolicy:
     def _layered_items(self, depth: float, room: int) -> int:
         """Whole items for a chunk that may spread its layers over steps: the most tokens per
         step with every step's share within the budget (fewer steps on a tie; 1 without
-        layered steps). 7000 deep in SmolLM2 (items of 10, budget 24): 2 items over 3 steps,
-        6.7 tokens a step, against 1 item over 2 steps."""
+        layered steps). 7000 deep in SmolLM2 (items of 10, an item 33 tokens' cost): budget 24,
+        2 items over 3 steps (6.7 tokens a step, against 1 item over 2 steps); budget 20, 1
+        item over 2 steps (2 over 4 ties)."""
         per_item = self.quantum * (1.0 + depth)
         best, best_rate = 1, 0.0
         for items in range(1, min(4 * self.max_layer_parts, room // self.quantum) + 1):
