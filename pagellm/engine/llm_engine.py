@@ -333,8 +333,9 @@ class LLMEngine:
     ) -> None:
         """Feed each constrained sequence its new tokens; one the grammar rejects, or whose
         matching takes too long (it would stall every step), fails its request; one whose
-        grammar is complete stops. A rejected token means the request's settings left no token
-        the grammar admits: its request goes into ``bad_requests`` (a client error)."""
+        grammar is complete stops. Both failures are the request's own (``bad_requests``: a
+        client error): a rejected token means its settings left no token the grammar admits,
+        and a grammar too costly to match is the one it sent."""
         structured = self.structured
         if structured is None or not structured.active():
             return
@@ -351,7 +352,7 @@ class LLMEngine:
                     continue
                 if why is None:
                     why = self._conflict(req, len(req.output_token_ids) - num_new)
-                    bad_requests.add(group.request_id)
+                bad_requests.add(group.request_id)
                 failed[group.request_id] = why
             elif structured.is_terminated(seq_id) and not req.is_finished:
                 self.scheduler.finish_request(seq_id, FinishReason.STOP)
