@@ -55,8 +55,21 @@ def test_missing_tensor(tiny_models, tmp_path):
 def test_corrupt_gguf(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 64)
-    with pytest.raises(ValueError, match="not a readable GGUF"):
+    with pytest.raises(ValueError, match="damaged or cut-short GGUF file .68 bytes"):
         LLM(str(bad))
+    bad.write_bytes(b"<html>not a model</html>")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        LLM(str(bad))
+
+
+def test_a_model_folder_without_a_tokenizer_names_it(tiny_models, tmp_path):
+    from pagellm.runner.tokenizer import TOKENIZER_FILES
+
+    path = _copy(tiny_models("llama"), tmp_path / "m")
+    for name in TOKENIZER_FILES:
+        (path / name).unlink(missing_ok=True)
+    with pytest.raises(ValueError, match=f"{path} holds no tokenizer.*--tokenizer"):
+        LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_model_len=256)
 
 
 def test_sharded_safetensors_load(tiny_models, tmp_path):

@@ -51,10 +51,16 @@ class GGUFModel:
         import gguf
 
         self.path = Path(path)
+        with open(self.path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ValueError(f"{self.path} is not a GGUF file (it does not begin with 'GGUF')")
         try:
             self.reader = gguf.GGUFReader(str(self.path))
         except Exception as exc:  # the gguf package raises several types on bad files
-            raise ValueError(f"{self.path} is not a readable GGUF file: {exc}") from exc
+            raise ValueError(
+                f"{self.path} is a damaged or cut-short GGUF file "
+                f"({self.path.stat().st_size} bytes; the gguf reader: {exc})"
+            ) from exc
         self.arch = self._field("general.architecture")
         if self.arch not in _ARCHITECTURES:
             raise ValueError(f"unsupported GGUF architecture {self.arch!r} in {self.path}")

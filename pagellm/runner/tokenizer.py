@@ -13,6 +13,22 @@ from typing import Any
 from pagellm.engine.errors import RequestRejected, check_unicode
 from pagellm.fetch import cache_dir
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+"""A folder with none of these holds no tokenizer for ``transformers`` to load."""
+
+
+def _from_folder(auto: Any, folder: Path) -> Any:
+    """``auto.from_pretrained(folder)``, its failures one line that names the folder."""
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"{folder} holds no tokenizer ({', '.join(TOKENIZER_FILES)}): give one with --tokenizer"
+        )
+    try:
+        return auto.from_pretrained(str(folder))
+    except (OSError, ValueError) as exc:
+        why = " ".join(str(exc).split())
+        raise ValueError(f"cannot load a tokenizer from {folder}: {why}") from exc
+
 
 class Tokenizer:
     def __init__(self, hf_tokenizer: Any, eos_token_id: int | None) -> None:
@@ -33,7 +49,7 @@ class Tokenizer:
                 saved.mkdir(parents=True, exist_ok=True)
                 hf.save_pretrained(str(saved))
         else:
-            hf = AutoTokenizer.from_pretrained(str(source))
+            hf = _from_folder(AutoTokenizer, source)
         return cls(hf, eos_token_id)
 
     @property
