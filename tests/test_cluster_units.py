@@ -290,3 +290,11 @@ def test_a_restarted_controller_resumes_through_a_retried_call_to_itself(control
     asyncio.run(c.resume())
     asyncio.run(c.resume())  # a retried call that arrives after all: nothing twice
     assert started == [1]
+
+
+def test_a_model_path_missing_here_is_noted_not_refused(tmp_path):
+    """The model path is each node's: the dry run names one this machine lacks, and goes on."""
+    missing = parse_cluster_config(GOOD).plan()["notes"]
+    assert any("'/models/x' does not exist on this machine" in n for n in missing)
+    here = {**GOOD, "deployment_config": {"model": str(tmp_path)}}
+    assert not any("does not exist" in n for n in parse_cluster_config(here).plan()["notes"])

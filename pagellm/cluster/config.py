@@ -208,10 +208,16 @@ def parse_cluster_config(data: Any, where: str = "cluster config") -> ClusterCon
     )
     if ranks > 1:  # a replica's ranks are Ray actors on its placement group, as in vLLM on Ray
         engine_args.setdefault("distributed_executor_backend", "ray")
+    deployment = _section(
+        DeploymentConfig, data.get("deployment_config"), where, "deployment_config"
+    )
+    if deployment.model and not Path(deployment.model).expanduser().exists():
+        notes.append(  # the path is each node's: this machine may not be one of them
+            f"deployment_config.model {deployment.model!r} does not exist on this machine; "
+            "every node needs it at that path"
+        )
     config = ClusterConfig(
-        deployment=_section(
-            DeploymentConfig, data.get("deployment_config"), where, "deployment_config"
-        ),
+        deployment=deployment,
         engine_args=engine_args,
         ray=_section(RayConfig, data.get("ray_config"), where, "ray_config"),
         gateway=_section(GatewayConfig, data.get("gateway"), where, "gateway"),
