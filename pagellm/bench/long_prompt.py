@@ -288,7 +288,7 @@ async def run_fairness(args: argparse.Namespace, model: str, headers: dict[str, 
         await asyncio.gather(*tasks, return_exceptions=True)
     before = [g for s in streams for g in s.gaps(window_start, long_stream.sent)]
     during = [g for s in streams for g in s.gaps(long_stream.sent, first_token)]
-    after = [g for s in streams for g in s.gaps_within(first_token, after_end)]
+    after = [g for s in streams for g in s.gaps_within(first_token, after_end) if args.after_s > 0]
     p99_before, p99_during, p99_after = _ms(before, 99), _ms(during, 99), _ms(after, 99)
     return {
         "streams": args.streams,

@@ -51,9 +51,13 @@ class GGUFModel:
         import gguf
 
         self.path = Path(path)
-        with open(self.path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise ValueError(f"{self.path} is not a GGUF file (it does not begin with 'GGUF')")
+        try:
+            with open(self.path, "rb") as f:
+                magic = f.read(4)
+        except OSError as exc:
+            raise ValueError(f"{self.path} cannot be read: {exc.strerror}") from exc
+        if magic != b"GGUF":
+            raise ValueError(f"{self.path} is not a GGUF file (it does not begin with 'GGUF')")
         try:
             self.reader = gguf.GGUFReader(str(self.path))
         except Exception as exc:  # the gguf package raises several types on bad files
