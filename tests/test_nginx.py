@@ -8,6 +8,7 @@ import contextlib
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -73,17 +74,19 @@ def server(tiny_models):
 
 
 def test_tokens_stream_through_nginx_as_generated(server, tmp_path):
-    with nginx_in_front(server, tmp_path) as front:
-        direct = chunk_times(server, 300)
-        proxied = chunk_times(front, 300)
+    """The same stream at once directly and through nginx: the two requests share the
+    replica's steps, so however busy the machine is, each proxied event arrives close to its
+    direct twin; buffered, they would come in a few bursts, late."""
+    with nginx_in_front(server, tmp_path) as front, ThreadPoolExecutor(2) as pool:
+        direct_run, proxied_run = (pool.submit(chunk_times, b, 300) for b in (server, front))
+        direct, proxied = direct_run.result(), proxied_run.result()
     # an event per token, but for the few whose text is held back (partial UTF-8)
     assert len(direct) > 250 and abs(len(proxied) - len(direct)) < 15, (len(proxied), len(direct))
-    # buffered, they would arrive in a few bursts at the end: spread like the direct ones
-    assert proxied[0] < max(1.0, 3 * direct[0]), (proxied[0], direct[0])
-    spread_direct, spread_proxied = direct[-1] - direct[0], proxied[-1] - proxied[0]
-    assert spread_proxied > 0.5 * spread_direct, (spread_proxied, spread_direct)
     distinct = len({round(t, 3) for t in proxied})
     assert distinct > 100, distinct  # many separate arrivals, not one dump
+    spread = direct[-1] - direct[0]
+    lags = sorted(p - d for p, d in zip(proxied, direct, strict=False))
+    assert lags[len(lags) * 9 // 10] < 0.25 * spread, (lags[-1], spread)
 
 
 def test_a_client_leaving_through_nginx_frees_the_replica(server, tmp_path):
