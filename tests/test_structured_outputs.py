@@ -129,6 +129,46 @@ def test_ngram_speculation_keeps_constrained_greedy_outputs(tiny_models):
     assert stats.spec_num_draft_tokens > 0
 
 
+def test_ngram_proposals_past_the_grammars_end_are_cut(tiny_models):
+    """The prompt holds the constrained answer followed by the end of a turn and more text, so
+    the n-gram proposal after the answer is its stop token and tokens beyond it: the stop
+    token is not proposed (no bitmask row can follow it) and the request ends as without
+    speculation (this had stopped the engine)."""
+    prompt = "The answer is yes<|im_end|>\nThe answer is yes<|im_end|>\nThe answer is"
+    params = [constrained(0, 10, 0.0, choice=[" yes"]), greedy([12])[0]]
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                       "prompt_lookup_max": 5})  # fmt: skip
+    fast = tiny_llm(tiny_models, speculative_config=spec)
+    outs = fast.generate([prompt, prompt], params, use_tqdm=False)
+    assert outs[0].outputs[0].text == " yes" and outs[0].outputs[0].finish_reason == "stop"
+    plain = tiny_llm(tiny_models).generate([prompt, prompt], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert fast.generate(["again"], greedy([4]), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_grammar_that_fails_while_stepping_fails_its_request_alone(llm, monkeypatch):
+    """An error from the grammar library while a step's bitmasks are built ends that request
+    with the error, and the batch runs on."""
+    engine = llm.engine
+    structured = engine.structured
+    real = structured.bitmask
+
+    def bitmask(seq_id, proposal):
+        if seq_id.startswith("broken"):
+            raise RuntimeError("grammar_matcher.cc: check failed")
+        return real(seq_id, proposal)
+
+    monkeypatch.setattr(structured, "bitmask", bitmask)
+    engine.add_request("broken", "x", constrained(0, 20, 0.0, regex="[ab]{1,20}"))
+    engine.add_request("fine", "y", constrained(0, 20, 0.0, regex="[ab]{5}"))
+    engine.add_request("plain", "z", greedy([6])[0])
+    finished = run_engine(engine)
+    assert "check failed" in finished["broken"].error
+    assert re.fullmatch("[ab]{5}", finished["fine"].outputs[0].text)
+    assert len(finished["plain"].outputs[0].token_ids) == 6
+    assert not engine.has_unfinished_requests()
+
+
 def test_grammar_that_does_not_compile_fails_alone(llm):
     for bad, match in (({"type": "objectx"}, "objectx"), ("{nope", "not valid JSON")):
         with pytest.raises(StructuredOutputError, match=match):

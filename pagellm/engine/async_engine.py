@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -29,6 +30,8 @@ from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.outputs import RequestOutput
 from pagellm.engine.sampling_params import SamplingParams
 from pagellm.openmp_env import release_thread_pool
+
+log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -253,6 +256,7 @@ class AsyncLLMEngine:
                         self._deliver(out.request_id, out)
                     self.thread_cpu_seconds = time.thread_time()
         except BaseException as exc:  # noqa: BLE001 - every stream must learn of it
+            log.exception("the engine stopped; every request fails until a restart")
             self.error = exc
             self._fail_all(exc)
 

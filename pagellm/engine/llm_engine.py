@@ -312,18 +312,25 @@ class LLMEngine:
             return None
         return self.structured.allowed_proposal(seq_id, proposal) if proposal else 0
 
-    def _attach_bitmasks(self, sched: SchedulerOutput) -> None:
+    def _attach_bitmasks(self, sched: SchedulerOutput) -> dict[str, str]:
+        """Each constrained sampling row's bitmask; returns the sequences whose grammar failed
+        to give one (seq id -> why): they fail alone after the step, and their row samples
+        unconstrained meanwhile (its tokens are dropped with the request)."""
         structured = self.structured
         if structured is None or not structured.active():
-            return
-        start, filled = self.clock(), 0
+            return {}
+        start, filled, failed = self.clock(), 0, {}
         for item in sched.scheduled:
             if item.sample and structured.has(item.request_id):
-                item.token_bitmask = structured.bitmask(item.request_id, item.spec_token_ids)
+                try:
+                    item.token_bitmask = structured.bitmask(item.request_id, item.spec_token_ids)
+                except Exception as exc:  # noqa: BLE001 - this request's grammar: it fails alone
+                    failed[item.request_id] = f"structured output failed: {exc}"
                 filled += 1
         if filled:
             self.stats.structured_mask_seconds += self.clock() - start
             self.stats.structured_mask_steps += 1
+        return failed
 
     def _advance_grammars(
         self,
@@ -341,15 +348,17 @@ class LLMEngine:
             return
         for req, num_new in touched:
             seq_id = req.request_id
-            if not structured.has(seq_id):
+            group = self._seq_to_group.get(seq_id)
+            if not structured.has(seq_id) or group is None or group.request_id in failed:
                 continue
             new = req.output_token_ids[len(req.output_token_ids) - num_new :]
-            accepted = structured.accept(seq_id, new)
+            try:
+                accepted = structured.accept(seq_id, new)
+            except Exception as exc:  # noqa: BLE001 - this request's grammar: it fails alone
+                failed[group.request_id] = f"structured output failed: {exc}"
+                continue
             why = structured.over_budget(seq_id)
             if not accepted or why is not None:
-                group = self._seq_to_group.get(seq_id)
-                if group is None or group.request_id in failed:
-                    continue
                 if why is None:
                     why = self._conflict(req, len(req.output_token_ids) - num_new)
                 bad_requests.add(group.request_id)
@@ -440,11 +449,11 @@ class LLMEngine:
         start = self.clock()
         admitted = self._admit_compiled()
         sched = self.scheduler.schedule()
-        self._attach_bitmasks(sched)
+        mask_failed = self._attach_bitmasks(sched)
         before_execute = self.clock()
         result = self.executor.execute(sched)
         self.stats.execute_seconds += self.clock() - before_execute
-        failed = self._groups_of(result.failed)
+        failed = self._groups_of({**result.failed, **mask_failed})
         touched = self.scheduler.update(sched, result)
         bad_requests: set[str] = set()
         self._advance_grammars(touched, failed, bad_requests)

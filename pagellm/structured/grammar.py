@@ -256,17 +256,21 @@ class StructuredOutputManager:
         self._entries.pop(seq_id, None)
 
     def allowed_proposal(self, seq_id: str, proposal: list[int]) -> int:
-        """How many leading tokens of ``proposal`` the grammar accepts (the matcher is left as
-        it was)."""
+        """How many leading tokens of ``proposal`` the grammar accepts, up to and not including
+        its stop token: no bitmask row can follow that token, and the row before it offers it
+        anyway (the matcher is left as it was)."""
         matcher = self._entries[seq_id].matcher
-        n = 0
+        n, ends = 0, False
         for token in proposal[: self.max_rollback]:
             if matcher.is_terminated() or not matcher.accept_token(token):
                 break
             n += 1
+            if matcher.is_terminated():
+                ends = True
+                break
         if n:
             matcher.rollback(n)
-        return n
+        return n - ends
 
     def bitmask(self, seq_id: str, proposal: list[int]) -> torch.Tensor:
         """Allowed tokens of the next ``1 + len(proposal)`` rows, as int32 bitmask rows (bit
