@@ -29,12 +29,18 @@ HERMES = (
     'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
     '</tool_call>\n<tool_call>{"name": "noop", "arguments": {}}</tool_call>'
 )
+HERMES_AMID_TEXT = (  # whitespace stretches after calls, a block that is not a call, one unclosed
+    'Hi\n\n<tool_call>{"name": "a", "arguments": {}}</tool_call>\n\nBye <tool_call>not json'
+    '</tool_call> \n<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>  \n'
+    '<tool_call>{"name": "c", "arguments": {}}</tool_call> B <tool_call>{"name": "'
+)
 LLAMA3 = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "noop"}'
 
 PARSERS = {
     "required": (RequiredCalls, REQUIRED),
     "named": (lambda: NamedCall("get_weather"), '{"city": "Paris"}'),
     "hermes": (HermesCalls, HERMES),
+    "hermes amid text": (HermesCalls, HERMES_AMID_TEXT),
     "llama3_json": (Llama3JsonCalls, LLAMA3),
 }
 
@@ -49,7 +55,7 @@ def streamed(make, text: str, cuts: list[int]) -> ParsedCalls:
 
 
 @pytest.mark.parametrize("kind", list(PARSERS))
-@given(cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=30))
+@given(cuts=st.lists(st.integers(min_value=0, max_value=260), max_size=40))
 def test_streamed_deltas_reassemble_to_the_whole_answer(kind, cuts):
     make, text = PARSERS[kind]
     whole = make().parse_all(text)
@@ -71,7 +77,12 @@ def test_each_format_is_read():
 
 def test_text_that_is_not_a_call_stays_content():
     assert HermesCalls().parse_all("a <tool_call>not json</tool_call> b").content == (
-        "a <tool_call>not json b"
+        "a <tool_call>not json</tool_call> b"  # as written: the raw text of a non-call
+    )
+    amid = HermesCalls().parse_all(HERMES_AMID_TEXT)
+    assert amid.names == ["a", "b", "c"]
+    assert amid.content == (  # the stretches with text whole, the whitespace-only ones not
+        'Hi\n\n\n\nBye <tool_call>not json</tool_call> \n B <tool_call>{"name": "'
     )
     assert HermesCalls().parse_all("x < y, and <tool_ca").content == "x < y, and <tool_ca"
     assert Llama3JsonCalls().parse_all('{"a": 1} and more').names == []

@@ -7,7 +7,8 @@ the whole answer, so a client that reassembles the deltas gets exactly the non-s
 - ``auto`` parsers (``--tool-call-parser``, vLLM's names): ``hermes`` (``<tool_call>{"name",
   "arguments"}</tool_call>`` blocks amid text) and ``llama3_json`` (the output is one or more
   ``{"name", "parameters"}`` objects separated by ``;``, optionally after ``<|python_tag|>``).
-  Text outside calls is content; a block that does not parse stays content.
+  Text outside calls is content (a stretch of only whitespace between or after calls is not);
+  a block that does not parse stays content, tags and all.
 """
 
 from __future__ import annotations
@@ -210,6 +211,11 @@ def _call_from_json(obj: Any, args_keys: tuple[str, ...]) -> tuple[str, str] | N
 
 
 class HermesCalls(CallParser):
+    """Text between calls is content, unless it is only whitespace; that rule is about a
+    whole stretch between two calls (or after the last), so whitespace that follows a call
+    waits until text or the next call shows which it is: the streamed content then joins up
+    to the non-streamed one however the text is cut."""
+
     START, END = "<tool_call>", "</tool_call>"
 
     def __init__(self) -> None:
@@ -218,6 +224,8 @@ class HermesCalls(CallParser):
         self._calls = 0
         self._searched = 0
         """How much of an open call's body was searched for its end tag."""
+        self._stretch_has_text = False
+        """The stretch since the last call has had text other than whitespace (sent)."""
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self._buffer += text
@@ -230,14 +238,16 @@ class HermesCalls(CallParser):
                     self._searched = len(self._buffer)
                     break
                 self._searched = 0
-                content += self._close(self._buffer[:end], deltas)
+                content += self._close(self._buffer[:end], deltas, closed=True)
                 self._buffer = self._buffer[end + len(self.END) :]
                 continue
             start = self._buffer.find(self.START)
             if start < 0:
-                keep = _partial_suffix(self._buffer, self.START)
-                content += self._text(self._buffer[: len(self._buffer) - keep])
-                self._buffer = self._buffer[len(self._buffer) - keep :]
+                ready = len(self._buffer) - _partial_suffix(self._buffer, self.START)
+                if self._undecided(self._buffer[:ready]):
+                    break  # whitespace after a call: it waits in the buffer
+                content += self._text(self._buffer[:ready])
+                self._buffer = self._buffer[ready:]
                 break
             content += self._text(self._buffer[:start])
             self._buffer = self._buffer[start + len(self.START) :]
@@ -247,25 +257,35 @@ class HermesCalls(CallParser):
     def finish(self) -> tuple[str, list[CallDelta]]:
         deltas: list[CallDelta] = []
         rest, self._buffer = self._buffer, ""
-        content = self._close(rest, deltas) if self._in_call else self._text(rest)
-        return content, deltas
+        if self._in_call:
+            return self._close(rest, deltas, closed=False), deltas
+        return self._text(rest), deltas
 
-    def _close(self, body: str, deltas: list[CallDelta]) -> str:
-        """A call block's body: a call, or (not a call) content again."""
+    def _close(self, body: str, deltas: list[CallDelta], closed: bool) -> str:
+        """A call block's body: a call, or (not a call) content again, tags and all."""
         self._in_call = False
         try:
             call = _call_from_json(json.loads(body), ("arguments", "parameters"))
         except json.JSONDecodeError:
             call = None
         if call is None:
-            return self.START + body
+            return self._text(self.START + body + (self.END if closed else ""))
         deltas.append(CallDelta(self._calls, call[0], call[1]))
         self._calls += 1
+        self._stretch_has_text = False
         return ""
 
+    def _undecided(self, text: str) -> bool:
+        """Whether ``text`` is whitespace after a call whose stretch has no text yet."""
+        return bool(self._calls) and not self._stretch_has_text and not text.strip()
+
     def _text(self, text: str) -> str:
-        """Content; whitespace between calls is not."""
-        return "" if self._calls and not text.strip() else text
+        """Content: all of a stretch with text, none of one that is only whitespace between
+        or after calls."""
+        if self._undecided(text):
+            return ""
+        self._stretch_has_text = self._stretch_has_text or bool(text.strip())
+        return text
 
 
 def _partial_suffix(text: str, tag: str) -> int:
