@@ -97,18 +97,25 @@ def test_streamed_multi_prompt_matches_non_streamed(server):
     texts: dict[int, str] = {}
     logprob_counts: dict[int, int] = {}
     finishes: dict[int, str] = {}
+    offsets: dict[int, list[int]] = {}
     for ev in events:
         for c in ev["choices"]:
             texts[c["index"]] = texts.get(c["index"], "") + c["text"]
             logprob_counts[c["index"]] = logprob_counts.get(c["index"], 0) + len(
                 c["logprobs"]["tokens"]
             )
+            offsets.setdefault(c["index"], []).extend(c["logprobs"]["text_offset"])
             assert all(len(top) <= 2 for top in c["logprobs"]["top_logprobs"])
             if c["finish_reason"]:
                 finishes[c["index"]] = c["finish_reason"]
     assert sorted(texts) == list(range(6))
     assert texts == {c["index"]: c["text"] for c in plain["choices"]}
     assert logprob_counts == dict.fromkeys(range(6), 6)
+    for c in plain["choices"]:  # each token's text from where the one before it ended
+        lp = c["logprobs"]
+        ends = [o + len(t) for o, t in zip(lp["text_offset"], lp["tokens"], strict=True)]
+        assert lp["text_offset"] == [0, *ends[:-1]]
+        assert offsets[c["index"]] == lp["text_offset"]  # the stream carries them on
     assert finishes == dict.fromkeys(range(6), "length")
     assert events[-1]["usage"] == plain["usage"]
     assert plain["usage"]["completion_tokens"] == 6 * 6

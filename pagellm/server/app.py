@@ -379,6 +379,9 @@ class _Context:
     def _namer(self, body):
         return _token_namer(self.tokenizer, body.return_tokens_as_token_ids)
 
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model_name:
             raise APIError(
@@ -489,6 +492,7 @@ class _Context:
             return _sse(self._completion_events(gens, rid, created, body))
         finals = await _until_disconnect(raw, _all_finals(gens))
         choices, usage = [], _Usage()
+        name, text_of = self._namer(body), self._token_text
         for i, out in enumerate(finals):
             usage.add(out)
             for comp in out.outputs:
@@ -496,7 +500,7 @@ class _Context:
                     {
                         "index": i * body.n + comp.index,
                         "text": comp.text,
-                        "logprobs": _completion_logprobs(comp.logprobs, self._namer(body)),
+                        "logprobs": _completion_logprobs(comp.logprobs, name, text_of)[0],
                         "finish_reason": comp.finish_reason,
                         "stop_reason": comp.stop_reason,
                     }
@@ -509,14 +513,20 @@ class _Context:
         chunk = self._chunker(rid, "text_completion", created)
         usage = _Usage()
         deltas = [_text_deltas(g, body.n) for g in gens]
+        name, text_of = self._namer(body), self._token_text
+        offsets: dict[int, int] = {}  # choice -> text offset after its tokens so far
         async for prompt_index, item in _merged(deltas):
             if isinstance(item, _Usage):
                 usage.merge(item)
                 continue
+            index = prompt_index * body.n + item.index
+            logprobs, offsets[index] = _completion_logprobs(
+                item.logprobs, name, text_of, offsets.get(index, 0)
+            )
             choice = {
-                "index": prompt_index * body.n + item.index,
+                "index": index,
                 "text": item.text,
-                "logprobs": _completion_logprobs(item.logprobs, self._namer(body)),
+                "logprobs": logprobs,
                 "finish_reason": item.finish_reason,
             }
             if item.finish_reason is not None:
@@ -833,14 +843,25 @@ def _token_namer(tokenizer: Any, as_ids: bool):
     return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def _completion_logprobs(logprobs: list | None, name) -> dict | None:
+def _completion_logprobs(
+    logprobs: list | None, name, text_of, offset: int = 0
+) -> tuple[dict | None, int]:
+    """The legacy completions logprobs object, and the text offset after its tokens:
+    ``text_offset`` counts each token's own text from ``offset`` (vLLM's rule), so a stream
+    passes on where the choice's previous chunk ended."""
     if logprobs is None:
-        return None
-    return {
+        return None, offset
+    offsets = []
+    for lp in logprobs:
+        offsets.append(offset)
+        offset += len(text_of(lp.token_id))
+    body = {
+        "text_offset": offsets,
         "tokens": [name(lp.token_id) for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
         "top_logprobs": [{name(t): v for t, v in lp.top} for lp in logprobs],
     }
+    return body, offset
 
 
 def _chat_logprobs(logprobs: list | None, name) -> dict | None:
