@@ -363,6 +363,11 @@ def test_settings_that_leave_the_grammar_no_token_fail_alone_as_bad_requests(llm
             continue
         assert finished[rid].error_is_bad_request, finished[rid].error
         assert match in finished[rid].error
+    if "allowed" in finished:  # the token the grammar refused is not output
+        assert finished["allowed"].outputs[0].token_ids == []
+    for rid in cases.keys() & finished.keys():  # ids and text agree: the last step's are gone
+        for o in finished[rid].outputs:
+            assert engine.tokenizer.decode(o.token_ids) == o.text
     assert finished["fine"].error is None
     assert len(finished["fine"].outputs[0].token_ids) == 8
     assert not engine.has_unfinished_requests()

@@ -457,6 +457,7 @@ class LLMEngine:
         touched = self.scheduler.update(sched, result)
         bad_requests: set[str] = set()
         self._advance_grammars(touched, failed, bad_requests)
+        self._drop_unseen_tokens(touched, failed)
         groups: dict[str, _Group] = {}
         for req, num_new in touched:
             group = self._seq_to_group.get(req.request_id)
@@ -478,6 +479,17 @@ class LLMEngine:
         outputs += admitted
         self.stats.busy_seconds += self.clock() - start
         return outputs
+
+    def _drop_unseen_tokens(
+        self, touched: list[tuple[Request, int]], failed: dict[str, str]
+    ) -> None:
+        """A request failing in this step ends with the tokens it had before it: this step's
+        were neither detokenized nor, for a grammar's refusal, its own (a token sampled from a
+        row the grammar left empty)."""
+        for req, num_new in touched:
+            group = self._seq_to_group.get(req.request_id)
+            if group is not None and group.request_id in failed:
+                req.truncate_output(len(req.output_token_ids) - num_new)
 
     def _groups_of(self, failed_seqs: dict[str, str]) -> dict[str, str]:
         """Request id -> why, for the user requests that own the failed sequences."""
