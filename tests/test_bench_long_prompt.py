@@ -14,9 +14,9 @@ from pagellm.cli import main
 def test_gap_windows() -> None:
     s = Stream(sent=0.0, chunk_times=[1.0, 2.0, 4.0, 7.0, 11.0])
     assert s.gaps(after=2.0, until=7.0) == [2.0, 3.0]  # later chunk in (2, 7]
-    assert s.gaps_within(2.0, 11.0) == [2.0, 3.0, 4.0]  # both chunks in [2, 11]
-    assert s.gaps_within(3.0, 11.0) == [3.0, 4.0]  # the gap 2 -> 4 began before 3
-    assert s.gaps_within(12.0, 20.0) == []
+    assert s.gaps(2.0, 11.0, whole=True) == [2.0, 3.0, 4.0]  # both chunks in [2, 11]
+    assert s.gaps(3.0, 11.0, whole=True) == [3.0, 4.0]  # the gap 2 -> 4 began before 3
+    assert s.gaps(12.0, 20.0, whole=True) == []
 
 
 def _run(base: str, out, *args: str) -> dict:

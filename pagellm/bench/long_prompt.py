@@ -87,15 +87,17 @@ class Stream:
         first = self.first_event
         return None if first is None else first - self.sent
 
-    def gaps(self, after: float = float("-inf"), until: float = float("inf")) -> list[float]:
-        """Inter-chunk gaps whose later chunk arrived in (after, until]."""
+    def gaps(
+        self, after: float = float("-inf"), until: float = float("inf"), whole: bool = False
+    ) -> list[float]:
+        """Inter-chunk gaps whose later chunk arrived in (after, until] (``whole``: and whose
+        earlier chunk arrived at ``after`` or later)."""
         t = self.chunk_times
-        return [b - a for a, b in zip(t, t[1:], strict=False) if after < b <= until]
-
-    def gaps_within(self, start: float, end: float) -> list[float]:
-        """Inter-chunk gaps wholly in [start, end] (both chunks)."""
-        t = self.chunk_times
-        return [b - a for a, b in zip(t, t[1:], strict=False) if start <= a and b <= end]
+        return [
+            b - a
+            for a, b in zip(t, t[1:], strict=False)
+            if after < b <= until and (not whole or a >= after)
+        ]
 
 
 async def stream_completion(
@@ -288,7 +290,11 @@ async def run_fairness(args: argparse.Namespace, model: str, headers: dict[str, 
         await asyncio.gather(*tasks, return_exceptions=True)
     before = [g for s in streams for g in s.gaps(window_start, long_stream.sent)]
     during = [g for s in streams for g in s.gaps(long_stream.sent, first_token)]
-    after = [g for s in streams for g in s.gaps_within(first_token, after_end) if args.after_s > 0]
+    after = (
+        [g for s in streams for g in s.gaps(first_token, after_end, whole=True)]
+        if args.after_s > 0
+        else []
+    )
     p99_before, p99_during, p99_after = _ms(before, 99), _ms(during, 99), _ms(after, 99)
     return {
         "streams": args.streams,

@@ -348,8 +348,10 @@ class LLMEngine:
             return
         for req, num_new in touched:
             seq_id = req.request_id
+            if not structured.has(seq_id):
+                continue
             group = self._seq_to_group.get(seq_id)
-            if not structured.has(seq_id) or group is None or group.request_id in failed:
+            if group is None or group.request_id in failed:
                 continue
             new = req.output_token_ids[len(req.output_token_ids) - num_new :]
             try:
@@ -486,6 +488,8 @@ class LLMEngine:
         """A request failing in this step ends with the tokens it had before it: this step's
         were neither detokenized nor, for a grammar's refusal, its own (a token sampled from a
         row the grammar left empty)."""
+        if not failed:
+            return
         for req, num_new in touched:
             group = self._seq_to_group.get(req.request_id)
             if group is not None and group.request_id in failed:

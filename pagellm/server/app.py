@@ -379,8 +379,11 @@ class _Context:
     def _namer(self, body):
         return _token_namer(self.tokenizer, body.return_tokens_as_token_ids)
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+    def _completion_namers(self, body):
+        """How completions logprobs name a token, and its text (for ``text_offset``): one
+        function when they are the same, so each token is decoded once."""
+        text_of = _token_namer(self.tokenizer, False)
+        return (self._namer(body) if body.return_tokens_as_token_ids else text_of), text_of
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model_name:
@@ -492,7 +495,7 @@ class _Context:
             return _sse(self._completion_events(gens, rid, created, body))
         finals = await _until_disconnect(raw, _all_finals(gens))
         choices, usage = [], _Usage()
-        name, text_of = self._namer(body), self._token_text
+        name, text_of = self._completion_namers(body)
         for i, out in enumerate(finals):
             usage.add(out)
             for comp in out.outputs:
@@ -513,7 +516,7 @@ class _Context:
         chunk = self._chunker(rid, "text_completion", created)
         usage = _Usage()
         deltas = [_text_deltas(g, body.n) for g in gens]
-        name, text_of = self._namer(body), self._token_text
+        name, text_of = self._completion_namers(body)
         offsets: dict[int, int] = {}  # choice -> text offset after its tokens so far
         async for prompt_index, item in _merged(deltas):
             if isinstance(item, _Usage):
@@ -851,13 +854,14 @@ def _completion_logprobs(
     passes on where the choice's previous chunk ended."""
     if logprobs is None:
         return None, offset
+    texts = [text_of(lp.token_id) for lp in logprobs]
     offsets = []
-    for lp in logprobs:
+    for text in texts:
         offsets.append(offset)
-        offset += len(text_of(lp.token_id))
+        offset += len(text)
     body = {
         "text_offset": offsets,
-        "tokens": [name(lp.token_id) for lp in logprobs],
+        "tokens": texts if name is text_of else [name(lp.token_id) for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
         "top_logprobs": [{name(t): v for t, v in lp.top} for lp in logprobs],
     }
