@@ -63,3 +63,43 @@ def test_special_tokens_are_skipped_or_kept(tokenizer):
     skip.add_tokens(ids)
     assert skip.text == "hi"
     assert keep.text.startswith("hi") and len(keep.text) > 2
+
+
+def _lead_byte(tokenizer) -> list[int]:
+    """The byte-level token of the byte 0xE2 alone (a 3-byte character's start: "â" in the
+    GPT-2 byte alphabet)."""
+    return [tokenizer.hf.convert_tokens_to_ids("\u00e2")]
+
+
+def _recording(tokenizer, longest: list[int]):
+    def decode(ids, skip):
+        longest[0] = max(longest[0], len(ids))
+        return tokenizer.decode(ids, skip)
+
+    return decode
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_tokens_that_never_make_text_are_not_decoded_again_and_again(tokenizer, skip):
+    """A run of lone lead bytes (each U+FFFD for ever) or of skipped special tokens: every step
+    decodes a bounded window, and the text is the run's text (the replacement characters)."""
+    lone = _lead_byte(tokenizer)
+    assert tokenizer.decode(lone, False) == "\ufffd"
+    special = [tokenizer.encode("<|im_end|>", add_special_tokens=False)[0]]
+    for run in (lone * 300, special * 300):
+        longest = [0]
+        detok = IncrementalDetokenizer.for_prompt(_recording(tokenizer, longest), [1], skip, [])
+        for tid in run:
+            detok.add_tokens([tid])
+        assert longest[0] <= 40
+        whole = tokenizer.decode(run, skip)
+        assert whole.startswith(detok.text) and len(whole) - len(detok.text) <= 8
+
+
+def test_a_character_completed_after_stray_bytes_is_whole(tokenizer):
+    stray = _lead_byte(tokenizer) * 20
+    emoji = tokenizer.encode("🤖 ok", add_special_tokens=False)
+    detok = IncrementalDetokenizer.for_prompt(tokenizer.decode, [], True, [])
+    for tid in stray + emoji:
+        detok.add_tokens([tid])
+    assert detok.text == "\ufffd" * 20 + "🤖 ok"

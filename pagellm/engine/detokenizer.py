@@ -16,6 +16,13 @@ DecodeFn = Callable[[list[int], bool], str]
 """decode(token_ids, skip_special_tokens) -> text"""
 
 _PROMPT_CONTEXT = 5
+_MAX_PENDING = 8
+"""Tokens held undecoded while they add no text or the text ends in U+FFFD. A character is
+at most 4 bytes, so past this the run is bytes that will never form one (let out as U+FFFD,
+keeping the last ``_INCOMPLETE_TAIL`` tokens, which may hold a character still being
+completed) or tokens without text (skipped special tokens). Without the bound an output of
+such tokens would be decoded whole again at every step: quadratic in its length."""
+_INCOMPLETE_TAIL = 3
 
 
 @dataclass(slots=True)
@@ -44,13 +51,20 @@ class IncrementalDetokenizer:
         """Append tokens and extend ``text``; returns the stop string that matched, if any
         (``check_stop`` False: none is looked for, as while min_tokens is not reached)."""
         self.tokens.extend(token_ids)
+        end = len(self.tokens)
+        stuck = end - self.read_offset > _MAX_PENDING
         prefix_text = self.decode(self.tokens[self.prefix_offset : self.read_offset], self.skip)
         full = self.decode(self.tokens[self.prefix_offset :], self.skip)
-        if len(full) <= len(prefix_text) or full.endswith("\ufffd"):
+        if full.endswith("\ufffd"):
+            if not stuck:
+                return None
+            end -= _INCOMPLETE_TAIL
+            full = self.decode(self.tokens[self.prefix_offset : end], self.skip)
+        if len(full) <= len(prefix_text) and not stuck:
             return None
         delta = full[len(prefix_text) :]
         self.prefix_offset = self.read_offset
-        self.read_offset = len(self.tokens)
+        self.read_offset = end
         if not check_stop:
             self.text += delta
             return None
