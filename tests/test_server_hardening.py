@@ -102,6 +102,15 @@ def test_stop_strings_are_capped(server, stop):
     assert err["param"] == "stop"
 
 
+_DEEP_CALL = {"id": "1", "function": {"name": "f", "arguments": "[" * 900 + "]" * 900}}
+_DEEP_TURNS = [
+    {"role": "user", "content": "x"},
+    {"role": "assistant", "tool_calls": [_DEEP_CALL]},
+    {"role": "tool", "tool_call_id": "1", "content": "r"},
+]
+DEEP_ARGUMENTS_CHAT = json.dumps({"messages": _DEEP_TURNS, "max_tokens": 2}).encode()
+DEEP_ARGUMENTS_TOKENIZE = json.dumps({"messages": _DEEP_TURNS}).encode()
+
 CLIENT_ERRORS = [
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}'),
@@ -116,6 +125,18 @@ CLIENT_ERRORS = [
     ("/tokenize", b'{"prompt": "\\udcff"}'),
     ("/tokenize", b'{}'),
     ("/tokenize", b'{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}'),
+    # token ids that pydantic's lax mode had turned into token 1 (or 5, or 1000)
+    ("/v1/completions", b'{"prompt": [true]}'),
+    ("/v1/completions", b'{"prompt": [[1.0]]}'),
+    ("/v1/completions", b'{"prompt": "hi", "allowed_token_ids": [true]}'),
+    ("/v1/completions", b'{"prompt": "hi", "stop_token_ids": ["5"]}'),
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {" 5": 1}}'),
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"1_000": 1}}'),
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": true}}'),
+    ("/detokenize", b'{"tokens": [true]}'),
+    # an earlier tool call's arguments nested past the recursion limit of the template's code
+    ("/v1/chat/completions", DEEP_ARGUMENTS_CHAT),
+    ("/tokenize", DEEP_ARGUMENTS_TOKENIZE),
 ]  # fmt: skip
 
 

@@ -425,6 +425,9 @@ class _Context:
         except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
             raise APIError(400, f"the chat template cannot render the messages: {exc}",
                            param="messages") from exc  # fmt: skip
+        except RecursionError:  # e.g. a tool call's arguments nested hundreds deep
+            raise APIError(400, "the chat template cannot render the messages: they are "
+                           "nested too deeply", param="messages") from None  # fmt: skip
 
     def _admit(self, num_seqs: int, prompt_tokens: int) -> None:
         """503 with Retry-After when the waiting queue is full (checked before queueing)."""

@@ -10,7 +10,15 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+)
 
 from pagellm.engine.errors import check_unicode
 from pagellm.engine.sampling_params import (
@@ -28,6 +36,20 @@ MAX_USER_CHARS = 256
 
 Text = Annotated[str, AfterValidator(check_unicode)]
 Int64 = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+
+
+def _id_key(key: Any) -> Any:
+    """A JSON object key naming a token id: its decimal digits as they stand (pydantic would
+    also take " 5", "1_000" or "5.0")."""
+    if isinstance(key, str) and not (key.isascii() and key.lstrip("-").isdigit()):
+        raise ValueError("keys must be token ids (decimal integers)")
+    return key
+
+
+TokenId = StrictInt
+"""A token id as the client wrote it: an integer, not a bool, float or string (pydantic's lax
+mode would turn ``true`` or ``1.0`` into token 1 before ``SamplingParams`` sees it)."""
+TokenIdKey = Annotated[int, BeforeValidator(_id_key)]
 
 
 class _Strict(BaseModel):
@@ -101,15 +123,15 @@ class _Common(_Strict):
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: Text | list[Text] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     min_tokens: int = 0
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[TokenIdKey, StrictFloat] | None = None
     """OpenAI's: token id (a JSON object key) -> bias in [-100, 100] added to its logit."""
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[TokenId] | None = None
     """vLLM's extension: sample only among these tokens."""
     user: Annotated[Text, Field(max_length=MAX_USER_CHARS)] | None = None
     priority: Int64 = 0
@@ -226,7 +248,7 @@ def _constraint(param: str, **fields: Any) -> StructuredOutputsParams:
 
 
 class CompletionRequest(_Common):
-    prompt: Text | list[Text] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
@@ -316,7 +338,7 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: Text | None = None
-    tokens: list[Int64]
+    tokens: list[Annotated[TokenId, Field(ge=SEED_MIN, le=SEED_MAX)]]
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -341,7 +363,9 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def _arguments(call: FunctionCall) -> Any:
+    """The arguments as a mapping where they are JSON, else as the text they are (not JSON,
+    an integer over Python's digit limit, or nested past the recursion limit)."""
     try:
         return json.loads(call.arguments)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return call.arguments
