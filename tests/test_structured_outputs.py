@@ -295,8 +295,8 @@ def test_a_grammar_too_expensive_to_match_fails_alone(llm):
     """An ambiguous grammar's matching grows superlinearly with the output: past the budget
     its request fails, and the other requests of the batch finish as usual."""
     structured = llm.engine.structured
-    saved = structured.max_call_seconds
-    structured.max_call_seconds = 0.01  # the real bound is 0.25 s; the same check, sooner
+    saved = structured.max_step_seconds
+    structured.max_step_seconds = 0.01  # the real bound is 0.25 s; the same check, sooner
     try:
         ambiguous = 'root ::= x+\nx ::= "a" | "a" "a" | x x | "a" x "a"'
         params = [
@@ -314,7 +314,45 @@ def test_a_grammar_too_expensive_to_match_fails_alone(llm):
         assert finished["plain"].error is None
         assert len(finished["plain"].outputs[0].token_ids) == 40
     finally:
-        structured.max_call_seconds = saved
+        structured.max_step_seconds = saved
+
+
+def test_a_requests_copies_share_its_matching_budget(llm):
+    """n copies of one grammar cost the engine thread n times one: the step and total bounds
+    hold for the request (a clock that moves 1 ms a reading: each call costs 1 ms)."""
+    from fakes import FakeClock
+
+    from pagellm.structured.grammar import StructuredOutputManager
+
+    manager = StructuredOutputManager(
+        llm.engine.structured.compiler, max_step_seconds=0.005, max_seconds=0.05,
+        clock=FakeClock(0.001),
+    )  # fmt: skip
+    params = StructuredOutputsParams(regex="a+")
+    copies = [f"four-{i}" for i in range(4)]
+    manager.start(["one"], params)
+    manager.start(copies, params)
+    for seq in ["one", *copies]:
+        manager._entries[seq].future.result(timeout=60)
+        assert manager.ready(seq)
+    (a,) = llm.tokenizer.encode("a", add_special_tokens=False)
+
+    def step(seqs):
+        manager.new_step()
+        for seq in seqs:
+            manager.bitmask(seq, [])
+            assert manager.accept(seq, [a])
+
+    step(["one", *copies])
+    assert manager.over_budget("one") is None  # 2 ms a step
+    for seq in copies:  # 4 x 2 ms in one step
+        assert "one step took 0.01 s (at most 0.005 s" in manager.over_budget(seq)
+    for _ in range(20):
+        step(["one"])
+    assert manager.over_budget("one") is None  # 42 ms in all
+    for _ in range(5):
+        step(["one"])
+    assert "0.1 s in all (at most 0.05 s)" in manager.over_budget("one")
 
 
 def test_grammar_cache_is_bounded_by_bytes(llm):

@@ -49,7 +49,8 @@ class Executor(Protocol):
 class StructuredOutputs(Protocol):
     """Grammar state per sequence (``pagellm.structured.grammar.StructuredOutputManager``)."""
 
-    def start(self, seq_id: str, params: object) -> None: ...
+    def start(self, seq_ids: list[str], params: object) -> None: ...
+    def new_step(self) -> None: ...
     def has(self, seq_id: str) -> bool: ...
     def active(self) -> bool: ...
     def error(self, seq_id: str) -> str | None: ...
@@ -234,8 +235,7 @@ class LLMEngine:
                 "structured outputs are not available on this engine", param="structured_outputs"
             )
         seq_ids = [s.request.request_id for s in group.seqs]
-        for seq_id in seq_ids:
-            self.structured.start(seq_id, constraint)
+        self.structured.start(seq_ids, constraint)
         why = self.structured.error(seq_ids[0])
         if why is not None:
             for seq_id in seq_ids:
@@ -450,6 +450,8 @@ class LLMEngine:
         """Run one batch step; returns an output for every request that advanced."""
         start = self.clock()
         admitted = self._admit_compiled()
+        if self.structured is not None:
+            self.structured.new_step()  # the schedule's proposals count toward this step
         sched = self.scheduler.schedule()
         mask_failed = self._attach_bitmasks(sched)
         before_execute = self.clock()

@@ -185,21 +185,31 @@ class GrammarOptions:
 
 
 @dataclass(slots=True)
+class _Budget:
+    """A request's matching time, shared by its sequences: n copies of one grammar cost the
+    engine thread n times one, so the bounds hold for the request, not for each copy."""
+
+    seconds: float = 0.0
+    """Time its matchers have taken so far (bitmasks and accepted tokens)."""
+    step: int = -1
+    step_seconds: float = 0.0
+    """Time taken in step ``step``."""
+    slowest_step: float = 0.0
+
+
+@dataclass(slots=True)
 class _Entry:
     future: Future
+    budget: _Budget
     matcher: Any = None
-    seconds: float = 0.0
-    """Time its matcher has taken so far (bitmasks and accepted tokens)."""
-    slowest: float = 0.0
-    """Its slowest single bitmask or accept."""
 
 
-MAX_MATCH_CALL_SECONDS = 0.25
-"""One bitmask fill or token accept of one sequence may take this long; a grammar that takes
-longer (an ambiguous EBNF can grow superlinearly with the output) fails its request alone,
-before it stalls every other request's steps on the engine thread."""
+MAX_MATCH_STEP_SECONDS = 0.25
+"""One step's bitmask fills and token accepts of one request's sequences may take this long;
+a grammar that takes longer (an ambiguous EBNF can grow superlinearly with the output) fails
+its request alone, before it stalls every other request's steps on the engine thread."""
 MAX_MATCH_SECONDS = 10.0
-"""A sequence's matcher may take this long in all."""
+"""A request's matchers may take this long in all."""
 
 
 class StructuredOutputManager:
@@ -209,19 +219,29 @@ class StructuredOutputManager:
         self,
         compiler: GrammarCompiler,
         max_rollback: int = 16,
-        max_call_seconds: float = MAX_MATCH_CALL_SECONDS,
+        max_step_seconds: float = MAX_MATCH_STEP_SECONDS,
         max_seconds: float = MAX_MATCH_SECONDS,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.compiler = compiler
-        self.max_call_seconds = max_call_seconds
+        self.clock = clock
+        self.max_step_seconds = max_step_seconds
         self.max_seconds = max_seconds
         self.max_rollback = max_rollback
         """Proposals longer than this are cut (bounds the matcher's work per step)."""
         self._entries: dict[str, _Entry] = {}
         self._words = (compiler.vocab_size + 31) // 32
+        self._step = 0
 
-    def start(self, seq_id: str, params: StructuredOutputsParams) -> None:
-        self._entries[seq_id] = _Entry(self.compiler.compile(params))
+    def start(self, seq_ids: list[str], params: StructuredOutputsParams) -> None:
+        """Constrain one request's sequences (its ``n`` copies), which share one budget."""
+        future, budget = self.compiler.compile(params), _Budget()
+        for seq_id in seq_ids:
+            self._entries[seq_id] = _Entry(future, budget)
+
+    def new_step(self) -> None:
+        """A step begins: what its bitmasks and accepts take counts toward the step bound."""
+        self._step += 1
 
     def has(self, seq_id: str) -> bool:
         return seq_id in self._entries
@@ -259,7 +279,8 @@ class StructuredOutputManager:
         """How many leading tokens of ``proposal`` the grammar accepts, up to and not including
         its stop token: no bitmask row can follow that token, and the row before it offers it
         anyway (the matcher is left as it was)."""
-        matcher = self._entries[seq_id].matcher
+        entry = self._entries[seq_id]
+        start, matcher = self.clock(), entry.matcher
         n, ends = 0, False
         for token in proposal[: self.max_rollback]:
             if matcher.is_terminated() or not matcher.accept_token(token):
@@ -270,6 +291,7 @@ class StructuredOutputManager:
                 break
         if n:
             matcher.rollback(n)
+        self._charge(entry, self.clock() - start)
         return n - ends
 
     def bitmask(self, seq_id: str, proposal: list[int]) -> torch.Tensor:
@@ -277,7 +299,7 @@ class StructuredOutputManager:
         ``t % 32`` of word ``t // 32`` set when token t is allowed): row j as if the first j
         proposed tokens were accepted. The proposal must be one ``allowed_proposal`` passed."""
         entry = self._entries[seq_id]
-        start = time.perf_counter()
+        start = self.clock()
         matcher = entry.matcher
         rows = torch.empty((1 + len(proposal), self._words), dtype=torch.int32)
         accepted = 0
@@ -289,33 +311,38 @@ class StructuredOutputManager:
                 accepted += 1
         if accepted:
             matcher.rollback(accepted)
-        self._charge(entry, time.perf_counter() - start)
+        self._charge(entry, self.clock() - start)
         return rows
 
     def accept(self, seq_id: str, tokens: list[int]) -> bool:
         """Advance with the sequence's new tokens; False if the grammar rejects one."""
         entry = self._entries[seq_id]
-        start = time.perf_counter()
+        start = self.clock()
         ok = all(entry.matcher.accept_token(t) for t in tokens)
-        self._charge(entry, time.perf_counter() - start)
+        self._charge(entry, self.clock() - start)
         return ok
 
-    @staticmethod
-    def _charge(entry: _Entry, seconds: float) -> None:
-        entry.seconds += seconds
-        entry.slowest = max(entry.slowest, seconds)
+    def _charge(self, entry: _Entry, seconds: float) -> None:
+        budget = entry.budget
+        if budget.step != self._step:
+            budget.step, budget.step_seconds = self._step, 0.0
+        budget.step_seconds += seconds
+        budget.slowest_step = max(budget.slowest_step, budget.step_seconds)
+        budget.seconds += seconds
 
     def over_budget(self, seq_id: str) -> str | None:
-        """Why this sequence's grammar costs too much to go on matching, or None."""
-        entry = self._entries[seq_id]
-        if entry.slowest > self.max_call_seconds:
+        """Why the grammar of this sequence's request costs too much to go on matching, or
+        None."""
+        budget = self._entries[seq_id].budget
+        if budget.slowest_step > self.max_step_seconds:
             return (
-                f"the grammar is too expensive to match: one step took {entry.slowest:.2f} s "
-                f"(at most {self.max_call_seconds:g} s; an ambiguous grammar?)"
+                f"the grammar is too expensive to match: one step took "
+                f"{budget.slowest_step:.2f} s (at most {self.max_step_seconds:g} s; an "
+                "ambiguous grammar?)"
             )
-        if entry.seconds > self.max_seconds:
+        if budget.seconds > self.max_seconds:
             return (
-                f"the grammar is too expensive to match: {entry.seconds:.1f} s in all "
+                f"the grammar is too expensive to match: {budget.seconds:.1f} s in all "
                 f"(at most {self.max_seconds:g} s)"
             )
         return None
