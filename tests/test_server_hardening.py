@@ -271,3 +271,13 @@ def test_a_body_that_does_not_arrive_in_time_is_408(server):
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     _assert_serving(server)
+
+
+def test_tool_call_arguments_python_cannot_parse_go_to_the_template_as_text(server):
+    """An integer past Python's digit limit is a ValueError, not a JSONDecodeError: such
+    arguments are text, as any other arguments that are not JSON (it was a 500)."""
+    turns = [{**t} for t in _DEEP_TURNS]
+    turns[1] = {"role": "assistant", "tool_calls": [
+        {"id": "1", "function": {"name": "f", "arguments": '{"a": ' + "1" * 5000 + "}"}}]}  # fmt: skip
+    r = _post(server, "/v1/chat/completions", {"messages": turns, "max_tokens": 2})
+    assert r.status_code == 200, r.text

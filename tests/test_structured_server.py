@@ -218,6 +218,19 @@ def test_enforced_tool_calls_whole_and_streamed(client, choice, reason):
     assert final.message.tool_calls is None and final.finish_reason in ("stop", "length")
 
 
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_required_calls_cut_before_a_name_agree_whole_and_streamed(client, max_tokens):
+    """Cut before the first call's name: no call and no content either way (the whole answer
+    had shown the array's first characters as content)."""
+    kw = dict(model=MODEL_NAME, messages=USER, tools=[WEATHER, NOOP], tool_choice="required",
+              max_tokens=max_tokens, temperature=0)  # fmt: skip
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert (whole.finish_reason, whole.message.content, whole.message.tool_calls) == (
+        "length", "", None)  # fmt: skip
+    streamed, reason, content = _reassembled(client.chat.completions.create(**kw, stream=True))
+    assert (reason, content, streamed) == ("length", "", [])
+
+
 def test_auto_tool_choice_parses_hermes_calls(client):
     # the random model would not call tools by itself: a regex makes it write one
     forced = r'Sure\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{2,8}", "unit": "c"\}\}</tool_call>'

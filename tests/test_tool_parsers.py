@@ -89,6 +89,33 @@ def test_text_that_is_not_a_call_stays_content():
     assert Llama3JsonCalls().parse_all("plain answer").content == "plain answer"
 
 
+def test_json_that_python_cannot_hold_is_not_a_call():
+    """Nesting past the recursion limit and integers past the digit limit raise other errors
+    than JSONDecodeError: such a block stays content (it gave a 500 answer)."""
+    deep, huge = "[" * 1500, '{"a": ' + "1" * 5000 + "}"
+    for body in (deep, '{"name": "f", "arguments": ' + deep, '{"name": "f", "arguments": ' + huge):
+        text = f"<tool_call>{body}</tool_call>"
+        parsed = HermesCalls().parse_all(text)
+        assert (parsed.names, parsed.content) == ([], text)
+    for text in ('{"name": "f", "parameters": ' + deep, '{"name": "f", "parameters": ' + huge):
+        parsed = Llama3JsonCalls().parse_all(text)
+        assert (parsed.names, parsed.content) == ([], text)
+
+
+def test_lone_surrogates_spelled_by_escapes_never_reach_a_response():
+    """UTF-8 cannot carry them: a name with one is not a call; arguments keep the escape."""
+    named = '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>'
+    assert HermesCalls().parse_all(named).names == []
+    obj = HermesCalls().parse_all(
+        '<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>'
+    )
+    assert obj.arguments == ['{"a": "\\ud800"}']
+    text = HermesCalls().parse_all('<tool_call>{"name": "f", "arguments": "x\\udc00"}</tool_call>')
+    assert text.arguments == ["x\\udc00"]
+    llama = Llama3JsonCalls().parse_all('{"name": "f", "parameters": {"a": "\\udc00"}}')
+    assert llama.arguments == ['{"a": "\\udc00"}']
+
+
 def test_unfinished_array_scan_keeps_partial_arguments():
     spans = scan_call_array('[{"name": "f", "parameters": {"a": "x y')
     assert spans[0].name == "f" and spans[0].args_end is None

@@ -615,8 +615,9 @@ def _chat_choice(comp, plan: ToolPlan, namer) -> dict:
         calls = ChoiceCalls(parser)
         calls.feed(comp.text)
         calls.finish()
-        if calls.names:
-            message = calls.message()
+        # the parser's content, as streamed: none where the output must be calls (required,
+        # named) even if it was cut short before the first call's name
+        message = calls.message() if calls.names else {**message, "content": calls.content}
         finish_reason = plan.finish_reason(finish_reason, len(calls.names))
     return {
         "index": comp.index,

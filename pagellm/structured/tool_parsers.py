@@ -203,11 +203,39 @@ def scan_call_array(text: str) -> list[_Span]:
     return scanner.spans
 
 
+def _loads(text: str) -> Any:
+    """``text`` as JSON, or None where it is not (json's errors are ValueErrors; nesting past
+    the recursion limit is a RecursionError)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
 def _call_from_json(obj: Any, args_keys: tuple[str, ...]) -> tuple[str, str] | None:
+    """A call's name and arguments (as JSON text) from its decoded object, or None if it is
+    not one. JSON escapes can spell lone surrogates, which no response can carry as UTF-8: a
+    name with one is not a call, and arguments with one keep their escapes."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
+    if not _is_utf8(obj["name"]):
+        return None
     args = next((obj[k] for k in args_keys if k in obj), {})
-    return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    if isinstance(args, str):
+        return obj["name"], args.encode(errors="backslashreplace").decode()
+    try:
+        text = json.dumps(args, ensure_ascii=False)
+    except RecursionError:
+        return None
+    return obj["name"], text if _is_utf8(text) else json.dumps(args)
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class HermesCalls(CallParser):
@@ -264,10 +292,7 @@ class HermesCalls(CallParser):
     def _close(self, body: str, deltas: list[CallDelta], closed: bool) -> str:
         """A call block's body: a call, or (not a call) content again, tags and all."""
         self._in_call = False
-        try:
-            call = _call_from_json(json.loads(body), ("arguments", "parameters"))
-        except json.JSONDecodeError:
-            call = None
+        call = _call_from_json(_loads(body), ("arguments", "parameters"))
         if call is None:
             return self._text(self.START + body + (self.END if closed else ""))
         deltas.append(CallDelta(self._calls, call[0], call[1]))
@@ -335,7 +360,7 @@ def _json_calls(text: str) -> list[tuple[str, str]] | None:
     while at < len(text):
         try:
             obj, end = decoder.raw_decode(text, at)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return None
         call = _call_from_json(obj, ("parameters", "arguments"))
         if call is None:
