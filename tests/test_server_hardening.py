@@ -281,3 +281,12 @@ def test_tool_call_arguments_python_cannot_parse_go_to_the_template_as_text(serv
         {"id": "1", "function": {"name": "f", "arguments": '{"a": ' + "1" * 5000 + "}"}}]}  # fmt: skip
     r = _post(server, "/v1/chat/completions", {"messages": turns, "max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+def test_a_content_part_that_is_not_text_is_named(server):
+    """Not pydantic's "Input should be a valid string" (the union's first member)."""
+    part = {"type": "image_url", "image_url": {"url": "x"}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, part]}]}
+    err = _assert_error(_post(server, "/v1/chat/completions", body), 400)
+    assert "content parts of type 'image_url' are not served" in err["message"]
+    assert err["param"] == "messages.0.content"

@@ -28,6 +28,7 @@ from pagellm.engine.sampling_params import (
     SEED_MIN,
     SamplingParams,
 )
+from pagellm.server.errors import quoted_name
 from pagellm.structured.params import StructuredOutputError, StructuredOutputsParams
 
 MAX_USER_CHARS = 256
@@ -271,9 +272,23 @@ class ToolCall(_Strict):
     function: FunctionCall
 
 
+def _text_parts_only(content: Any) -> Any:
+    """A list of content parts may hold only text parts: say so, rather than pydantic's
+    "Input should be a valid string" of the union's first member."""
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(
+                    f"content parts of type {quoted_name(kind, 40)} are not served: the model "
+                    "takes text only (parts of type 'text')"
+                )
+    return content
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Text | list[TextPart] | None = None
+    content: Annotated[Text | list[TextPart] | None, BeforeValidator(_text_parts_only)] = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None
     """An assistant turn's calls (sent back in the next request of a tool conversation)."""
