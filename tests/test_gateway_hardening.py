@@ -843,6 +843,29 @@ def test_max_completion_tokens_on_completions_is_dropped_and_max_tokens_charged(
     run(scenario())
 
 
+def test_once_a_key_is_an_operator_only_operators_read_the_fleet():
+    """The console's state and /metrics name every replica's URL and every key: a tenant's
+    key gets a 403 there once an operator key is configured, and still serves the API."""
+    tenant = [("authorization", "Bearer tenant-key")]
+    keys = [{"name": "ops", "key": KEY, "operator": True}, {"name": "t", "key": "tenant-key"}]
+
+    async def scenario() -> None:
+        app = build_gateway_app(gateway(Upstream(), keys=keys, metrics_need_key=True))
+
+        async def get(path: str, headers=()) -> Reply:
+            return await call(app, path=path, chunks=[b""], method="GET", headers=headers)
+
+        for path in ("/ui/api/state", "/metrics"):
+            assert (await get(path)).status == 401
+            denied = await get(path, tenant)
+            assert denied.status == 403 and denied.error["type"] == "permission_error", path
+            assert (await get(path, BEARER)).status == 200
+        assert (await get("/v1/models", tenant)).status == 200
+        assert (await call(app, PLAIN, headers=tenant)).status == 200
+
+    run(scenario())
+
+
 @pytest.mark.parametrize("metrics_need_key", [True, False])
 def test_with_keys_every_path_but_health_needs_one(metrics_need_key):
     keys = [{"name": "a", "key": KEY}]

@@ -637,10 +637,22 @@ class Gateway:
         return Response(content, status_code=resp.status_code, media_type=media, headers=extra)
 
     async def key_required(self, raw: Request) -> JSONResponse | None:
-        """A 401 when the gateway has keys and the request brings none of them (every path but
-        /health: the model list, metrics, the console's state), else None."""
+        """A 401 when the gateway has keys and the request brings none of them (the model
+        list; the fleet's views take ``operator_required``), else None."""
         if self.keys.enabled and self.keys.identify(raw.headers.get("authorization")) is None:
             return _error(401, "missing or wrong API key")
+        return None
+
+    async def operator_required(self, raw: Request) -> JSONResponse | None:
+        """The fleet's views (the console's state, /metrics when it needs a key): a 401 as
+        ``key_required``, and a 403 for a key that is not an operator's once any key is."""
+        if not self.keys.enabled:
+            return None
+        policy = self.keys.identify(raw.headers.get("authorization"))
+        if policy is None:
+            return _error(401, "missing or wrong API key")
+        if self.keys.has_operators and not policy.operator:
+            return _error(403, "this key may not read the fleet's state (operator keys may)")
         return None
 
     async def console_state(self) -> dict[str, Any]:
@@ -842,12 +854,12 @@ def build_gateway_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(raw: Request) -> Response:
-        if gateway.settings.metrics_need_key and (denied := await gateway.key_required(raw)):
+        if gateway.settings.metrics_need_key and (denied := await gateway.operator_required(raw)):
             return denied
         gateway.refresh_gauges()
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     if not gateway.settings.disable_ui:
-        install_console(app, gateway.console_state, gateway.key_required)
+        install_console(app, gateway.console_state, gateway.operator_required)
 
     return app

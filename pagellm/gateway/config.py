@@ -25,6 +25,7 @@ _KEY_FIELDS: dict[str, type | tuple[type, ...]] = {
     "allow_client_priority": bool,
     "allow_client_user": bool,
     "max_tokens_default": int,
+    "operator": bool,
 }
 _POSITIVE_KEY_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent",
                         "max_tokens_default")  # fmt: skip
@@ -62,7 +63,7 @@ class Fleet:
     keys: tuple[dict[str, Any], ...] = ()
     """API keys (name, key_sha256 or key, models, requests_per_minute, tokens_per_minute,
     max_concurrent, priority, tenant, allow_client_priority, allow_client_user,
-    max_tokens_default: see ``pagellm.gateway.limits.KeyPolicy``); none means no auth at the
+    max_tokens_default, operator: see ``pagellm.gateway.limits.KeyPolicy``); none means no auth at the
     gateway (and the client's priority and user pass through)."""
     overload: OverloadSettings = field(default_factory=OverloadSettings)
 

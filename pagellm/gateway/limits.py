@@ -99,6 +99,10 @@ class KeyPolicy:
     counted with ``--tokenizer MODEL=PATH``, else bounded by its UTF-8 bytes plus 64. When not
     even one token surely fits, nothing is set and the request is charged the whole context
     (which the replica enforces). Its charge is then a real upper bound."""
+    operator: bool = False
+    """May read the fleet's state (the console's ``/ui/api/state`` and ``/metrics``). Once any
+    key is an operator, only operators may: those views name every replica's URL and every
+    key's name. With none, every key may (as it may read the model list)."""
     state: KeyState = field(default_factory=KeyState)
 
     @property
@@ -147,6 +151,7 @@ class KeyRing:
             allow_client_priority=bool(e.get("allow_client_priority")),
             allow_client_user=bool(e.get("allow_client_user")),
             max_tokens_default=e.get("max_tokens_default") or DEFAULT_MAX_TOKENS,
+            operator=bool(e.get("operator")),
         )
         before = old.get(p.key_sha256)
         kept = dict(before.buckets) if before else {}
@@ -166,6 +171,10 @@ class KeyRing:
     @property
     def enabled(self) -> bool:
         return bool(self.keys)
+
+    @property
+    def has_operators(self) -> bool:
+        return any(p.operator for p in self.keys)
 
     def identify(self, authorization: str | None) -> KeyPolicy | None:
         """The key's policy, comparing against every stored hash in constant time."""

@@ -31,6 +31,7 @@ async function poll() {
   try {
     const resp = await fetch("/ui/api/state", { headers: headers() });
     if (resp.status === 401) { setStatus("error", "API key needed"); return; }
+    if (resp.status === 403) { setStatus("error", "an operator key is needed"); return; }
     if (!resp.ok) { setStatus("error", "HTTP " + resp.status); return; }
     const state = await resp.json();
     $("kind").textContent = state.kind;
