@@ -201,6 +201,13 @@ def test_constraint_params_are_validated():
         StructuredOutputsParams(choice=[])
     with pytest.raises(StructuredOutputError, match="longer than"):
         StructuredOutputsParams(regex="a" * 70_000)
+    # nesting: an array schema 950 deep took 62 s to compile, on the pool all requests share
+    deep: dict = {"type": "integer", "description": "[[[[ {{ not nesting"}
+    for _ in range(63):
+        deep = {"type": "array", "items": deep}
+    StructuredOutputsParams(json=deep)  # 64 levels
+    with pytest.raises(StructuredOutputError, match="nests 65 levels of objects and arrays"):
+        StructuredOutputsParams(json=json.dumps({"type": "array", "items": deep}))
 
 
 class _GatedCompiler:

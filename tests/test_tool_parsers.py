@@ -141,6 +141,13 @@ def test_tool_choice_constraints():
     assert tool_constraint(TOOLS, "auto") is None and tool_constraint(TOOLS, "none") is None
     with pytest.raises(StructuredOutputError, match="not among the tools"):
         tool_constraint(TOOLS, {"name": "missing"})
+    deep: dict = {"type": "integer"}
+    for _ in range(64):
+        deep = {"type": "array", "items": deep}
+    for choice in ("required", {"name": "deep"}):
+        with pytest.raises(StructuredOutputError, match="nests") as refused:
+            tool_constraint([{"name": "deep", "parameters": deep}], choice)
+        assert refused.value.param == "tools"
 
 
 def test_tools_reach_a_template_that_cannot_render_them():

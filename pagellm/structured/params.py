@@ -7,12 +7,18 @@ whether the constraint compiles is the grammar compiler's call (``pagellm.struct
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 MAX_SPEC_CHARS = 64 * 1024
 """A schema, regex or grammar longer than this (as text) is refused before compiling."""
+MAX_SCHEMA_DEPTH = 64
+"""A JSON schema whose text nests objects and arrays deeper than this is refused before
+compiling: xgrammar's compile time grows steeply with nesting, on the pool every structured
+request shares (an array schema 950 deep took 62 s here, 128 deep 0.4 s, 64 deep 0.1 s; 36
+branches 62 deep, filling ``MAX_SPEC_CHARS``, 2.2 s)."""
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 1024
 
@@ -74,6 +80,11 @@ class StructuredOutputsParams:
             raise StructuredOutputError(
                 f"the {self.kind} constraint is longer than {MAX_SPEC_CHARS} characters"
             )
+        if self.kind == "json" and (depth := json_depth(self.spec_text)) > MAX_SCHEMA_DEPTH:
+            raise StructuredOutputError(
+                f"the json schema nests {depth} levels of objects and arrays (at most "
+                f"{MAX_SCHEMA_DEPTH})"
+            )
 
     @property
     def kind(self) -> str:
@@ -95,6 +106,20 @@ class StructuredOutputsParams:
     def key(self) -> tuple[str, str, bool]:
         """What decides the compiled grammar: equal keys compile once."""
         return (self.kind, self.spec_text, self.disable_any_whitespace)
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def json_depth(text: str) -> int:
+    """How deep objects and arrays nest in JSON ``text`` (strings skipped; no recursion, so
+    any depth is measured)."""
+    depth = deepest = 0
+    for bracket in _BRACKET.findall(_JSON_STRING.sub("", text)):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def _check_choices(choice: Any) -> None:

@@ -41,7 +41,7 @@ def tool_constraint(
                 f"tool_choice names the function {name!r}, which is not among the tools",
                 "tool_choice",
             )
-        return StructuredOutputsParams(json=tool.get("parameters") or ANY_OBJECT)
+        return _tools_constraint(tool.get("parameters") or ANY_OBJECT)
     if tool_choice != "required":
         return None
     calls: dict[str, Any] = {
@@ -52,7 +52,16 @@ def tool_constraint(
     }
     if not parallel_tool_calls:
         calls["maxItems"] = 1
-    return StructuredOutputsParams(json=calls)
+    return _tools_constraint(calls)
+
+
+def _tools_constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
+    """The output's schema, made of the tools' parameters: a size or depth it may not have is
+    the tools' fault (``param`` names them)."""
+    try:
+        return StructuredOutputsParams(json=schema)
+    except StructuredOutputError as exc:
+        raise StructuredOutputError(str(exc), "tools") from None
 
 
 def _call_schema(tool: dict[str, Any], parameters_ref: str) -> dict[str, Any]:
