@@ -100,6 +100,11 @@ def test_json_that_python_cannot_hold_is_not_a_call():
     for text in ('{"name": "f", "parameters": ' + deep, '{"name": "f", "parameters": ' + huge):
         parsed = Llama3JsonCalls().parse_all(text)
         assert (parsed.names, parsed.content) == ([], text)
+    # numbers a float cannot hold, and NaN: written again they would be Infinity / NaN
+    for args in ('{"a": 1e999}', '{"a": -1e999}', '{"a": NaN}', "[Infinity]"):
+        text = f'<tool_call>{{"name": "f", "arguments": {args}}}</tool_call>'
+        assert HermesCalls().parse_all(text).names == []
+        assert Llama3JsonCalls().parse_all(f'{{"name": "f", "parameters": {args}}}').names == []
 
 
 def test_lone_surrogates_spelled_by_escapes_never_reach_a_response():

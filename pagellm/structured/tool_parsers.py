@@ -215,7 +215,9 @@ def _loads(text: str) -> Any:
 def _call_from_json(obj: Any, args_keys: tuple[str, ...]) -> tuple[str, str] | None:
     """A call's name and arguments (as JSON text) from its decoded object, or None if it is
     not one. JSON escapes can spell lone surrogates, which no response can carry as UTF-8: a
-    name with one is not a call, and arguments with one keep their escapes."""
+    name with one is not a call, and arguments with one keep their escapes. Arguments with a
+    number past a float's range (``1e999``) or NaN / Infinity are not a call either: written
+    again they would not be JSON."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     if not _is_utf8(obj["name"]):
@@ -224,8 +226,8 @@ def _call_from_json(obj: Any, args_keys: tuple[str, ...]) -> tuple[str, str] | N
     if isinstance(args, str):
         return obj["name"], args.encode(errors="backslashreplace").decode()
     try:
-        text = json.dumps(args, ensure_ascii=False)
-    except RecursionError:
+        text = json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError):
         return None
     return obj["name"], text if _is_utf8(text) else json.dumps(args)
 
