@@ -231,6 +231,20 @@ def test_required_calls_cut_before_a_name_agree_whole_and_streamed(client, max_t
     assert (reason, content, streamed) == ("length", "", [])
 
 
+def test_a_required_array_cut_by_a_stop_string_does_not_end_in_tool_calls(client):
+    """The key after each name is "parameters": stopping there leaves a call with a name and
+    no arguments, which is not a finished tool call (finish reason stop, as with length)."""
+    kw = dict(model=MODEL_NAME, messages=USER, tools=[WEATHER, NOOP], tool_choice="required",
+              max_tokens=60, temperature=0, stop=["parameters"])  # fmt: skip
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "stop" and whole.model_extra["stop_reason"] == "parameters"
+    assert [c.function.name for c in whole.message.tool_calls] in (["get_weather"], ["noop"])
+    streamed, reason, _ = _reassembled(client.chat.completions.create(**kw, stream=True))
+    assert reason == "stop" and [c["name"] for c in streamed] == [
+        c.function.name for c in whole.message.tool_calls
+    ]
+
+
 def test_auto_tool_choice_parses_hermes_calls(client):
     # the random model would not call tools by itself: a regex makes it write one
     forced = r'Sure\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{2,8}", "unit": "c"\}\}</tool_call>'

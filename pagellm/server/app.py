@@ -618,7 +618,7 @@ def _chat_choice(comp, plan: ToolPlan, namer) -> dict:
         # the parser's content, as streamed: none where the output must be calls (required,
         # named) even if it was cut short before the first call's name
         message = calls.message() if calls.names else {**message, "content": calls.content}
-        finish_reason = plan.finish_reason(finish_reason, len(calls.names))
+        finish_reason = plan.finish_reason(finish_reason, len(calls.names), comp.stop_reason)
     return {
         "index": comp.index,
         "message": message,
@@ -646,7 +646,7 @@ def _chat_delta(item: _Delta, plan: ToolPlan, calls: dict[int, ChoiceCalls]):
         delta["tool_calls"] = tool_deltas
     finish_reason = item.finish_reason
     if finish_reason is not None:
-        finish_reason = plan.finish_reason(finish_reason, len(parser.names))
+        finish_reason = plan.finish_reason(finish_reason, len(parser.names), item.stop_reason)
     return delta, finish_reason
 
 

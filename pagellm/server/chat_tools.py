@@ -43,8 +43,14 @@ class ToolPlan:
             return auto_parser(self.parser or "hermes")
         return None
 
-    def finish_reason(self, reason: str | None, num_calls: int) -> str | None:
-        if reason == "stop" and num_calls and self.mode in ("auto", "required"):
+    def finish_reason(
+        self, reason: str | None, num_calls: int, stop_reason: int | str | None = None
+    ) -> str | None:
+        """``tool_calls`` for an output that ended with calls. Not for a ``required`` array
+        that a stop string cut (``stop_reason`` the string): its last call may be unfinished
+        (the parser sends a call once its name is known), as with ``length``."""
+        cut = self.mode == "required" and isinstance(stop_reason, str)
+        if reason == "stop" and num_calls and self.mode in ("auto", "required") and not cut:
             return "tool_calls"
         return reason
 
