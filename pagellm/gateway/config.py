@@ -63,8 +63,8 @@ class Fleet:
     keys: tuple[dict[str, Any], ...] = ()
     """API keys (name, key_sha256 or key, models, requests_per_minute, tokens_per_minute,
     max_concurrent, priority, tenant, allow_client_priority, allow_client_user,
-    max_tokens_default, operator: see ``pagellm.gateway.limits.KeyPolicy``); none means no auth at the
-    gateway (and the client's priority and user pass through)."""
+    max_tokens_default, operator: see ``pagellm.gateway.limits.KeyPolicy``); none means no
+    auth at the gateway (and the client's priority and user pass through)."""
     overload: OverloadSettings = field(default_factory=OverloadSettings)
 
 
