@@ -290,3 +290,21 @@ def test_a_content_part_that_is_not_text_is_named(server):
     err = _assert_error(_post(server, "/v1/chat/completions", body), 400)
     assert "content parts of type 'image_url' are not served" in err["message"]
     assert err["param"] == "messages.0.content"
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(tiny_models):
+    """Each token takes at most the longest vocabulary entry's characters (81 here), so a
+    prompt longer than that times the context is refused at once, without its token list
+    (eight 4 MiB chats at once had taken a server from 3.5 to 7.5 GB and stalled /health)."""
+    text = "word " * 3000  # 15000 characters: over 81 x 63
+    with running_server(tiny_models("llama"), "--max-model-len", "64") as (_, base):
+        for path, body in (
+            ("/v1/completions", {"prompt": text, "max_tokens": 1}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
+        ):
+            err = _assert_error(_post(base, path, body), 400)
+            assert err["code"] == "context_length_exceeded", err
+            assert "needs at least 186 in the prompt" in err["message"]
+        messages = [{"role": "user", "content": text}]
+        counted = _post(base, "/tokenize", {"messages": messages})
+        assert counted.status_code == 200 and counted.json()["count"] > 3000  # any length

@@ -23,9 +23,16 @@ def check_unicode(text: str) -> str:
 
 
 class ContextLengthExceeded(RequestRejected):
-    def __init__(self, prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    def __init__(
+        self,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        max_model_len: int,
+        at_least: bool = False,
+    ) -> None:
+        """``at_least``: ``prompt_tokens`` is a lower bound (the prompt was not tokenized)."""
         wanted = prompt_tokens + (max_tokens or 0)
-        detail = f"{prompt_tokens} in the prompt"
+        detail = f"{'at least ' if at_least else ''}{prompt_tokens} in the prompt"
         if max_tokens:
             detail += f" + {max_tokens} requested for the completion = {wanted}"
         super().__init__(

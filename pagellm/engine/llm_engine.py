@@ -387,6 +387,8 @@ class LLMEngine:
     def prepare_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """Tokenize and validate a prompt; raises RequestRejected. Reads only immutable state,
         so a front end may call it from another thread than the one stepping the engine."""
+        if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt))
         text, ids = (
             (prompt, self.tokenizer.encode(prompt))
             if isinstance(prompt, str)
@@ -397,6 +399,16 @@ class LLMEngine:
         )
         self._validate(ids)
         return text, ids
+
+    def check_prompt_chars(self, chars: int) -> None:
+        """Refuse a prompt of ``chars`` characters that cannot fit even if every token took
+        the most characters one can (``max_token_chars``, where the tokenizer has it): a
+        body of megabytes is then not tokenized (and its token list held) only to be
+        refused. Raises ContextLengthExceeded."""
+        per_token = getattr(self.tokenizer, "max_token_chars", None)
+        if per_token and chars > per_token * (self.max_model_len - 1):
+            least = -(-chars // per_token)
+            raise ContextLengthExceeded(least, None, self.max_model_len, at_least=True)
 
     def _validate(self, ids: list[int]) -> None:
         if not ids:

@@ -35,6 +35,18 @@ class Tokenizer:
         self.hf = hf_tokenizer
         self.eos_token_id = eos_token_id if eos_token_id is not None else hf_tokenizer.eos_token_id
         self._backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        self._max_token_chars: int | None = -1
+
+    @property
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token takes, so a text of n characters is at least
+        n / this many tokens (an over-long prompt is refused before it is tokenized). None
+        where a normalizer may drop characters, which breaks the bound."""
+        if self._max_token_chars == -1:
+            normalizer = getattr(self._backend, "normalizer", None)
+            vocab = self.hf.get_vocab() if self._backend is not None else {}
+            self._max_token_chars = max(map(len, vocab)) if vocab and normalizer is None else None
+        return self._max_token_chars
 
     @classmethod
     def load(cls, source: Path, eos_token_id: int | None) -> Tokenizer:

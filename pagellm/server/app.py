@@ -136,7 +136,7 @@ def build_app(front: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -
         if body.messages is not None and body.prompt is not None:
             raise APIError(400, "give 'prompt' or 'messages', not both", param="messages")
         if body.messages is not None:
-            ids = await ctx.chat_ids(body.messages)
+            ids = await ctx.chat_ids(body.messages, for_generation=False)
         elif body.prompt is not None:
             ids = await asyncio.to_thread(
                 tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
@@ -410,12 +410,18 @@ class _Context:
         prepare = self.front.engine.prepare_prompt
         return await asyncio.to_thread(lambda: [prepare(p) for p in prompts])
 
-    async def chat_ids(self, messages, tools: list[dict] | None = None) -> list[int]:
+    async def chat_ids(
+        self, messages, tools: list[dict] | None = None, for_generation: bool = True
+    ) -> list[int]:
         """The chat rendered by the model's template and tokenized, in a worker thread; a
         template that rejects the messages (``raise_exception``) or is missing is a 400.
-        ``tools`` are shown to the model (``pagellm.structured.tools``)."""
+        ``tools`` are shown to the model (``pagellm.structured.tools``). ``for_generation``:
+        messages whose text cannot fit the context are refused before rendering (/tokenize
+        counts any length, as vLLM's)."""
         import jinja2
 
+        if for_generation:
+            self.front.engine.check_prompt_chars(sum(len(m.text()) for m in messages))
         turns, extra = chat_messages(messages), {}
         if tools:
             renders = template_renders_tools(getattr(self.tokenizer.hf, "chat_template", None))
