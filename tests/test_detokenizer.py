@@ -103,3 +103,21 @@ def test_a_character_completed_after_stray_bytes_is_whole(tokenizer):
     for tid in stray + emoji:
         detok.add_tokens([tid])
     assert detok.text == "\ufffd" * 20 + "🤖 ok"
+
+
+def test_the_characters_a_token_takes_bound_a_prompts_tokens(tokenizer):
+    """``max_token_chars``: every token of a text takes at most that many of its characters
+    (the early refusal of over-long prompts rests on it); none where it cannot hold."""
+    import copy
+
+    from tokenizers import AddedToken
+
+    from pagellm.runner.tokenizer import Tokenizer
+
+    most = tokenizer.max_token_chars
+    assert most == max(map(len, tokenizer.hf.get_vocab()))
+    for text in ("#" * 500, " " * 500, "日本語" * 100, "<|im_end|>" * 50, "word " * 100):
+        assert len(tokenizer.encode(text, add_special_tokens=False)) >= len(text) / most
+    stripping = copy.deepcopy(tokenizer.hf)  # "<x>" takes the spaces after it, however many
+    stripping.add_special_tokens({"additional_special_tokens": [AddedToken("<x>", rstrip=True)]})
+    assert Tokenizer(stripping, None).max_token_chars is None

@@ -41,11 +41,15 @@ class Tokenizer:
     def max_token_chars(self) -> int | None:
         """The most characters of text one token takes, so a text of n characters is at least
         n / this many tokens (an over-long prompt is refused before it is tokenized). None
-        where a normalizer may drop characters, which breaks the bound."""
+        where that does not hold: a normalizer may drop characters, and an added token that
+        strips whitespace beside it takes any run of it."""
         if self._max_token_chars == -1:
             normalizer = getattr(self._backend, "normalizer", None)
+            added = getattr(self.hf, "added_tokens_decoder", {}).values()
+            strips = any(getattr(t, "lstrip", False) or getattr(t, "rstrip", False) for t in added)
             vocab = self.hf.get_vocab() if self._backend is not None else {}
-            self._max_token_chars = max(map(len, vocab)) if vocab and normalizer is None else None
+            bounded = vocab and normalizer is None and not strips
+            self._max_token_chars = max(map(len, vocab)) if bounded else None
         return self._max_token_chars
 
     @classmethod
