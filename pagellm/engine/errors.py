@@ -12,13 +12,20 @@ class RequestRejected(ValueError):
         self.param = param
 
 
-def check_unicode(text: str) -> str:
-    """``text`` if it is valid Unicode; a lone surrogate (JSON's ``\\udcff`` escape gives one)
-    cannot be encoded, tokenized or sent back, so it is a RequestRejected."""
+def is_valid_unicode(text: str) -> bool:
+    """False for a text holding a lone surrogate (JSON's ``\\udcff`` escape gives one): it
+    cannot be encoded as UTF-8, tokenized or sent back."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise RequestRejected("text is not valid Unicode (it holds a lone surrogate)") from None
+        return False
+    return True
+
+
+def check_unicode(text: str) -> str:
+    """``text`` if it is valid Unicode (``is_valid_unicode``), else a RequestRejected."""
+    if not is_valid_unicode(text):
+        raise RequestRejected("text is not valid Unicode (it holds a lone surrogate)")
     return text
 
 

@@ -639,19 +639,20 @@ class Gateway:
     async def key_required(self, raw: Request) -> JSONResponse | None:
         """A 401 when the gateway has keys and the request brings none of them (the model
         list; the fleet's views take ``operator_required``), else None."""
-        if self.keys.enabled and self.keys.identify(raw.headers.get("authorization")) is None:
-            return _error(401, "missing or wrong API key")
-        return None
+        return self._refusal(raw, operator=False)
 
     async def operator_required(self, raw: Request) -> JSONResponse | None:
         """The fleet's views (the console's state, /metrics when it needs a key): a 401 as
         ``key_required``, and a 403 for a key that is not an operator's once any key is."""
+        return self._refusal(raw, operator=True)
+
+    def _refusal(self, raw: Request, operator: bool) -> JSONResponse | None:
         if not self.keys.enabled:
             return None
         policy = self.keys.identify(raw.headers.get("authorization"))
         if policy is None:
             return _error(401, "missing or wrong API key")
-        if self.keys.has_operators and not policy.operator:
+        if operator and self.keys.has_operators and not policy.operator:
             return _error(403, "this key may not read the fleet's state (operator keys may)")
         return None
 

@@ -134,6 +134,8 @@ class KeyRing:
         self.clock = clock
         old = {p.key_sha256: p for p in previous.keys} if previous else {}
         self.keys = [self._policy(e, old) for e in entries]
+        self.has_operators = any(p.operator for p in self.keys)
+        """Some key is an operator's: then only operators read the fleet's state."""
 
     def _policy(self, e: dict[str, Any], old: dict[str, KeyPolicy]) -> KeyPolicy:
         digest = e.get("key_sha256") or (hash_key(e["key"]) if e.get("key") else None)
@@ -171,10 +173,6 @@ class KeyRing:
     @property
     def enabled(self) -> bool:
         return bool(self.keys)
-
-    @property
-    def has_operators(self) -> bool:
-        return any(p.operator for p in self.keys)
 
     def identify(self, authorization: str | None) -> KeyPolicy | None:
         """The key's policy, comparing against every stored hash in constant time."""

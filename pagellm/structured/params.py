@@ -76,11 +76,12 @@ class StructuredOutputsParams:
             )
         if self.choice is not None:
             _check_choices(self.choice)
-        if len(self.spec_text) > MAX_SPEC_CHARS:
+        text = self.spec_text  # a mapping's JSON is made once here
+        if len(text) > MAX_SPEC_CHARS:
             raise StructuredOutputError(
                 f"the {self.kind} constraint is longer than {MAX_SPEC_CHARS} characters"
             )
-        if self.kind == "json" and (depth := json_depth(self.spec_text)) > MAX_SCHEMA_DEPTH:
+        if self.kind == "json" and (depth := json_depth(text)) > MAX_SCHEMA_DEPTH:
             raise StructuredOutputError(
                 f"the json schema nests {depth} levels of objects and arrays (at most "
                 f"{MAX_SCHEMA_DEPTH})"

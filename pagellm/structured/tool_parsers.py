@@ -18,6 +18,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagellm.engine.errors import is_valid_unicode
+
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 
@@ -220,7 +222,7 @@ def _call_from_json(obj: Any, args_keys: tuple[str, ...]) -> tuple[str, str] | N
     again they would not be JSON."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    if not _is_utf8(obj["name"]):
+    if not is_valid_unicode(obj["name"]):
         return None
     args = next((obj[k] for k in args_keys if k in obj), {})
     if isinstance(args, str):
@@ -229,15 +231,7 @@ def _call_from_json(obj: Any, args_keys: tuple[str, ...]) -> tuple[str, str] | N
         text = json.dumps(args, ensure_ascii=False, allow_nan=False)
     except (ValueError, RecursionError):
         return None
-    return obj["name"], text if _is_utf8(text) else json.dumps(args)
-
-
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
+    return obj["name"], text if is_valid_unicode(text) else json.dumps(args)
 
 
 class HermesCalls(CallParser):
