@@ -192,6 +192,22 @@ def test_grammar_that_does_not_compile_fails_alone(llm):
     assert len(finished["fine"].outputs[0].token_ids) == 8
 
 
+def test_a_constraint_too_slow_to_compile_fails_its_request_alone(llm, monkeypatch):
+    """A 100-byte schema pattern that compiles for minutes: its worker is stopped at the
+    deadline, its request ends as a bad request, and the requests beside it run on."""
+    engine = llm.engine
+    monkeypatch.setattr(engine.structured.compiler, "max_compile_seconds", 1.0)
+    slow = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(.{0,9}){0,9}"}}}
+    engine.add_request("slow", "x", constrained(0, json=slow))
+    engine.add_request("fine", "y", greedy([8])[0])
+    engine.add_request("regex", "z", constrained(0, 12, 0.0, regex="[0-9]{3}"))
+    finished = run_engine(engine)
+    assert finished["slow"].error_is_bad_request
+    assert "too expensive to compile: it took more than 1 s" in finished["slow"].error
+    assert finished["fine"].error is None and len(finished["fine"].outputs[0].token_ids) == 8
+    assert re.fullmatch("[0-9]{3}", finished["regex"].outputs[0].text)
+
+
 def test_constraint_params_are_validated():
     with pytest.raises(StructuredOutputError, match="exactly one"):
         StructuredOutputsParams(json={}, regex="a")

@@ -1,9 +1,9 @@
 """Grammars for structured outputs: compiled by xgrammar off the step loop, matched per sequence.
 
-``GrammarCompiler`` compiles a request's constraint on a small thread pool (xgrammar releases the
-GIL while it compiles) and caches the result by the constraint's key, so one schema compiles once
-however many requests use it; a constraint that does not compile fails with the compiler's
-message. ``StructuredOutputManager`` is what the engine drives: a matcher per sequence, advanced
+``GrammarCompiler`` compiles a request's constraint off the caller's thread, in a worker process
+with a deadline (``compile_worker``), and caches the result by the constraint's key, so one
+schema compiles once however many requests use it; a constraint that does not compile, or not
+within the deadline, fails with a message that says why. ``StructuredOutputManager`` is what the engine drives: a matcher per sequence, advanced
 with each accepted token; the token bitmask of a step's sampling rows (one row per speculative
 proposal plus one, computed by advancing through the proposals and rolling back); how many of a
 proposal the grammar allows.
@@ -11,10 +11,10 @@ proposal the grammar allows.
 
 from __future__ import annotations
 
-import json
-import re
+import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -24,20 +24,12 @@ from typing import Any
 import torch
 
 from pagellm.sampling.sampler import bitmask_allowed
-from pagellm.structured.params import (
-    StructuredOutputError,
-    StructuredOutputsParams,
-    map_schema_refs,
+from pagellm.structured.compile_worker import (
+    MAX_COMPILE_MEMORY,
+    MAX_COMPILE_SECONDS,
+    CompileWorker,
 )
-
-_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
-_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
-_LOG_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
-
-
-def _clean(exc: BaseException) -> str:
-    """xgrammar's message without its time stamp and source line."""
-    return _LOG_PREFIX.sub("", str(exc).strip()).strip()
+from pagellm.structured.params import StructuredOutputsParams
 
 
 class GrammarCompiler:
@@ -53,18 +45,29 @@ class GrammarCompiler:
         cache_bytes: int = 512 << 20,
         on_compiled: Callable[[float], None] | None = None,
         disable_any_whitespace: bool = False,
+        max_compile_seconds: float = MAX_COMPILE_SECONDS,
+        max_compile_memory: int = MAX_COMPILE_MEMORY,
     ) -> None:
         """``on_compiled``: called with the seconds of every compilation that ran (cache hits
         are not compilations); ``disable_any_whitespace``: for every request's JSON. The cache
         keeps at most ``cache_size`` grammars and ``cache_bytes`` of them (one constraint of the
-        64 KiB allowed can compile to tens of MB: 3,000 regex alternatives took 21 MB)."""
+        64 KiB allowed can compile to tens of MB: 3,000 regex alternatives took 21 MB).
+        ``max_workers`` worker processes compile, each started on first need; a compile past
+        ``max_compile_seconds`` or ``max_compile_memory`` bytes is refused."""
         import xgrammar as xgr
 
         info = xgr.TokenizerInfo.from_huggingface(
             hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
         )
         self._xgr = xgr
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._info = info
+        self._workers: queue.LifoQueue[CompileWorker] = queue.LifoQueue()  # started ones first
+        text = info.serialize_json()
+        workers = [CompileWorker(text, max_compile_memory) for _ in range(max_workers)]
+        for worker in workers:
+            self._workers.put(worker)
+        self._all_workers = tuple(workers)
+        self._stop_workers = weakref.finalize(self, _stop_all, self._all_workers)
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="pagellm-grammar")
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
@@ -74,6 +77,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.disable_any_whitespace = disable_any_whitespace
+        self.max_compile_seconds = max_compile_seconds
 
     def compile(self, params: StructuredOutputsParams) -> Future:
         """A future of the compiled grammar (done at once on a cache hit); its exception is a
@@ -104,76 +108,42 @@ class GrammarCompiler:
         return self.compile(params).result()
 
     def _build(self, params: StructuredOutputsParams) -> Any:
-        start = time.perf_counter()
+        """On a pool thread: one worker (there are as many as threads) compiles, this thread
+        deserializes its answer. The seconds reported leave out a worker's start."""
+        any_ws = not (params.disable_any_whitespace or self.disable_any_whitespace)
+        worker = self._workers.get()
         try:
-            compiled = self._build_kind(params)
-        except StructuredOutputError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - xgrammar's errors are RuntimeErrors
-            raise StructuredOutputError(
-                f"the {params.kind} constraint cannot be compiled: {_clean(exc)}"
-            ) from None
+            worker.start()
+            start = time.perf_counter()
+            text = worker.compile(params.kind, params.spec_text, any_ws, self.max_compile_seconds)
+        finally:
+            self._workers.put(worker)
+        compiled = self._xgr.CompiledGrammar.deserialize_json(text, self._info)
         if self.on_compiled is not None:
             self.on_compiled(time.perf_counter() - start)
         return compiled
 
-    def _build_kind(self, params: StructuredOutputsParams) -> Any:
-        c, kind = self._compiler, params.kind
-        any_ws = not (params.disable_any_whitespace or self.disable_any_whitespace)
-        if kind == "json":
-            text = params.spec_text
-            try:
-                schema = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise StructuredOutputError(f"the JSON schema is not valid JSON: {exc}") from None
-            if not isinstance(schema, dict | bool):
-                raise StructuredOutputError("the JSON schema must be an object")
-            map_schema_refs(schema, _local_ref)
-            return c.compile_grammar(self._json_schema_grammar(text, any_ws))
-        if kind == "json_object":  # an object (xgrammar's built-in JSON also takes arrays)
-            return c.compile_grammar(self._json_schema_grammar('{"type": "object"}', any_ws))
-        if kind == "regex":
-            return c.compile_regex(params.regex)
-        if kind == "choice":
-            return c.compile_grammar(choice_grammar(params.choice or []))
-        return c.compile_grammar(params.grammar)
-
-    def _json_schema_grammar(self, schema: str, any_whitespace: bool) -> Any:
-        """xgrammar's grammar of a schema, with JSON's own string characters: its rule for
-        length-bounded strings excludes only the quote, backslash, CR and LF, so it lets other
-        control characters through, which JSON forbids unescaped (parsers reject them)."""
-        grammar = self._xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
-        text = str(grammar)
-        fixed = text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
-        return grammar if fixed == text else self._xgr.Grammar.from_ebnf(fixed)
-
     def matcher(self, compiled: Any) -> Any:
         return self._xgr.GrammarMatcher(compiled)
 
+    def worker_pids(self) -> list[int]:
+        """The process ids of the compile workers running now."""
+        return [w.pid for w in self._all_workers if w.pid is not None]
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._stop_workers()
+
+
+def _stop_all(workers: tuple[CompileWorker, ...]) -> None:
+    for worker in workers:
+        worker.close()
 
 
 def _compiled_bytes(future: Future) -> int:
     if not future.done() or future.exception() is not None:
         return 0
     return int(future.result().memory_size_bytes)
-
-
-def _local_ref(ref: str) -> str:
-    """A reference into the schema itself; others (xgrammar would take them as any JSON, with
-    a warning in the log) are refused: nothing is fetched."""
-    if ref != "#" and not ref.startswith("#/"):
-        raise StructuredOutputError(
-            f"the JSON schema's $ref {ref[:200]!r} is not local: only references into the "
-            "schema itself ('#' or '#/...') are supported"
-        )
-    return ref
-
-
-def choice_grammar(choices: list[str]) -> str:
-    """EBNF for exactly one of ``choices`` (JSON string escapes are EBNF's too)."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 @dataclass(frozen=True, slots=True)
