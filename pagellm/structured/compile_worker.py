@@ -49,6 +49,11 @@ _JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
 
 
+class CompileAborted(StructuredOutputError):
+    """The worker did not answer (deadline, crash, no start): unlike the compiler's errors this
+    says nothing certain of the constraint, so it is not cached."""
+
+
 def _clean(exc: BaseException) -> str:
     """xgrammar's message without its time stamp and source line."""
     return _LOG_PREFIX.sub("", str(exc).strip()).strip()
@@ -198,14 +203,14 @@ class CompileWorker:
             conn.send((kind, text, any_whitespace))
             if not conn.poll(timeout):
                 self._stop()
-                raise StructuredOutputError(
+                raise CompileAborted(
                     f"the {kind} constraint is too expensive to compile: it took more than "
                     f"{timeout:g} s"
                 )
             status, payload = conn.recv()
         except (EOFError, OSError):
             code = self._stop()
-            raise StructuredOutputError(
+            raise CompileAborted(
                 f"the {kind} constraint cannot be compiled: the compiler failed on it "
                 f"(exit code {code})"
             ) from None
@@ -222,7 +227,7 @@ class CompileWorker:
         if self._conn is not None:
             return self._conn
         if self._closed:
-            raise StructuredOutputError("the grammar compiler is shut down")
+            raise CompileAborted("the grammar compiler is shut down")
         ours, theirs = socket.socketpair()
         package_root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ)
@@ -241,9 +246,7 @@ class CompileWorker:
             _expect(conn, "ready")
         except (EOFError, OSError):
             code = self._stop()
-            raise StructuredOutputError(
-                f"the grammar compiler did not start (exit code {code})"
-            ) from None
+            raise CompileAborted(f"the grammar compiler did not start (exit code {code})") from None
         return conn
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ from pagellm.sampling.sampler import bitmask_allowed
 from pagellm.structured.compile_worker import (
     MAX_COMPILE_MEMORY,
     MAX_COMPILE_SECONDS,
+    CompileAborted,
     CompileWorker,
 )
 from pagellm.structured.params import StructuredOutputsParams
@@ -90,7 +91,16 @@ class GrammarCompiler:
             future = self._pool.submit(self._build, params)
             self._cache[params.key] = future
             self._evict()
-            return future
+        future.add_done_callback(lambda done: self._forget_aborted(params.key, done))
+        return future
+
+    def _forget_aborted(self, key: tuple, future: Future) -> None:
+        """A compile the worker did not finish is not remembered: the next request with the
+        constraint tries again (a deadline missed under load may be met later)."""
+        if isinstance(future.exception(), CompileAborted):
+            with self._lock:
+                if self._cache.get(key) is future:
+                    del self._cache[key]
 
     def _evict(self) -> None:
         """Drop the least recently used grammars past the count or the bytes (the newest one
