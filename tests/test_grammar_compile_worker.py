@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -57,10 +59,10 @@ def test_a_compile_past_the_deadline_is_refused_and_its_worker_killed(tokenizer)
         assert not accepts(compiler, letters, "123", tokenizer)
         (second,) = compiler.worker_pids()
         assert second != first
-        # a missed deadline is not cached as the constraint's error: it is tried again
+        # the refusal is cached like any compile error: the same constraint is refused at once
         with pytest.raises(StructuredOutputError, match="too expensive"):
             compiler.compile_now(SLOW)
-        assert not alive(second) and compiler.worker_pids() == []
+        assert compiler.worker_pids() == [second]
     finally:
         compiler.shutdown()
 
@@ -76,7 +78,7 @@ def test_a_worker_that_dies_costs_its_constraint_alone(tokenizer):
             future.result(timeout=300)
         choice = compiler.compile_now(StructuredOutputsParams(choice=["yes", "no"]))
         assert accepts(compiler, choice, "yes", tokenizer)
-        assert compiler.compile(SLOW) is not future  # not cached: tried again
+        assert compiler.compile(SLOW) is not future  # a crash is not cached: tried again
     finally:
         compiler.shutdown()
 
@@ -128,3 +130,48 @@ def test_compile_errors_keep_their_messages(tokenizer):
         assert alive(pid)
     finally:
         compiler.shutdown()
+
+
+def test_a_cancelled_compile_is_forgotten_and_spoils_nothing(tokenizer):
+    """A queued compile cancelled (a pool shut down, a caller's cancellation reaching a future
+    others share) leaves the cache working: the next constraints compile, the same one again."""
+    compiler = make_compiler(tokenizer, max_workers=1, max_compile_seconds=600.0)
+    try:
+        compiler.compile(SLOW)  # holds the one worker
+        queued = compiler.compile(DIGITS)
+        assert queued.cancel()
+        compiler.compile(StructuredOutputsParams(regex="[a-z]+"))  # the cache's upkeep runs
+        again = compiler.compile(DIGITS)
+        assert again is not queued and not again.cancelled()
+    finally:
+        compiler.shutdown()
+
+
+def test_a_grammar_too_large_to_send_is_refused(tokenizer, monkeypatch):
+    import xgrammar as xgr
+
+    from pagellm.structured import compile_worker
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    xgr_compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    reply = compile_worker._answer(xgr, xgr_compiler, "regex", "[0-9]+", False)
+    assert reply.startswith(b"ok:")
+    monkeypatch.setattr(compile_worker, "MAX_REPLY_BYTES", len(reply) - 4)
+    reply = compile_worker._answer(xgr, xgr_compiler, "regex", "[0-9]+", False)
+    assert reply.startswith(b"er:the regex constraint compiles to 0 MiB of grammar")
+
+
+def test_the_memory_cap_keeps_within_a_hard_limit_already_set():
+    """Under ``ulimit -v`` (a container's, a batch node's) the worker's cap may not exceed the
+    hard limit, which a process cannot raise: it stays at that limit and the worker starts."""
+    code = (
+        "import resource; from pagellm.structured.compile_worker import _cap_address_space; "
+        "_cap_address_space(2 << 30); print(*resource.getrlimit(resource.RLIMIT_AS))"
+    )
+    hard_kib = 8 << 20  # 8 GiB: above the interpreter's own size, below its size + 2 GiB
+    out = subprocess.run(
+        ["bash", "-c", f'ulimit -v {hard_kib} && "$0" -c "$1"', sys.executable, code],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    soft, hard = map(int, out.stdout.split())
+    assert hard == hard_kib << 10 and soft <= hard

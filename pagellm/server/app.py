@@ -456,7 +456,8 @@ class _Context:
         if structured is None:
             raise APIError(400, "structured outputs are not available on this server", param=param)
         try:
-            await asyncio.wrap_future(structured.compiler.compile(constraint))
+            # shielded: a client that goes away must not cancel a compile others may share
+            await asyncio.shield(asyncio.wrap_future(structured.compiler.compile(constraint)))
         except StructuredOutputError as exc:
             raise StructuredOutputError(str(exc), param) from None
 

@@ -2,10 +2,10 @@
 
 xgrammar's compile time is not bounded by a constraint's size: a 100-byte schema pattern such as
 ``(.{0,10}){0,10}`` compiles for minutes, and a thread cannot be stopped. So every constraint is
-compiled by a ``CompileWorker``: a child process (``python -m`` this module, so no script's
-main module is imported again) that compiles one constraint at a time and answers with the
+compiled by a ``CompileWorker``: a child process (``python -P -c``, not multiprocessing, so no
+script's main module is run again) that compiles one constraint at a time and answers with the
 compiled grammar serialized. A worker that misses the deadline is killed, and its constraint
-refused; one that crashes costs its constraint alone. The server keeps only the deserialized
+refused; one that crashes costs its constraint alone (``CompileAborted``). The server keeps only the deserialized
 grammar, whose matchers run in the engine.
 
 Owns: the worker's side (``serve``: build the grammar, compile, serialize, within an address
@@ -17,11 +17,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
+import multiprocessing
 import os
 import re
-import resource
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -37,21 +37,23 @@ ordinary schemas compile in milliseconds, a schema pattern ``.{0,2000}`` in ~2 s
 repetitions ``(.{0,10}){0,10}`` in ~30 s and more (Zen 4)."""
 MAX_COMPILE_MEMORY = 2 << 30
 """Address space a compile may add to the worker's own, in bytes (its allocations fail past it)."""
-MAX_GRAMMAR_BYTES = 64 << 20
-"""A compiled grammar larger than this is refused (3,000 regex alternatives take ~0.3 MB,
-``.{0,1000}`` ~3 MB)."""
+MAX_REPLY_BYTES = 128 << 20
+"""A compiled grammar whose serialized form is larger than this is refused: the server holds
+it whole while it reads it (3,000 regex alternatives take ~0.3 MB, ``.{0,1000}`` ~12 MB)."""
 START_SECONDS = 300.0
 """How long a new worker may take to be ready (it imports xgrammar and torch: seconds, more on
 a busy machine)."""
 
 _LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
 _JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
+_LOG = logging.getLogger(__name__)
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
 
 
 class CompileAborted(StructuredOutputError):
-    """The worker did not answer (deadline, crash, no start): unlike the compiler's errors this
-    says nothing certain of the constraint, so it is not cached."""
+    """The worker did not answer (it crashed, did not start, was shut down): unlike the
+    compiler's errors and a missed deadline this says nothing certain of the constraint, so it
+    is not cached."""
 
 
 def _clean(exc: BaseException) -> str:
@@ -108,25 +110,29 @@ def build(xgr: Any, compiler: Any, kind: str, text: str, any_whitespace: bool) -
     return compiler.compile_grammar(text)
 
 
-def _answer(xgr: Any, compiler: Any, kind: str, text: str, any_ws: bool) -> tuple:
-    """("ok", serialized grammar) or ("error", the client's message)."""
+def _answer(xgr: Any, compiler: Any, kind: str, text: str, any_ws: bool) -> bytes:
+    """``ok:`` and the serialized grammar, or ``er:`` and the client's message (UTF-8)."""
     try:
         compiled = build(xgr, compiler, kind, text, any_ws)
-        size = int(compiled.memory_size_bytes)
-        if size > MAX_GRAMMAR_BYTES:
-            return ("error", f"the {kind} constraint compiles to {size >> 20} MiB of grammar "
-                    f"(at most {MAX_GRAMMAR_BYTES >> 20} MiB)")  # fmt: skip
-        return ("ok", compiled.serialize_json())
+        data = compiled.serialize_json().encode()
+        if len(data) > MAX_REPLY_BYTES:
+            return _error(f"the {kind} constraint compiles to {len(data) >> 20} MiB of grammar "
+                          f"(at most {MAX_REPLY_BYTES >> 20} MiB)")  # fmt: skip
+        return b"ok:" + data
     except StructuredOutputError as exc:
-        return ("error", str(exc))
+        return _error(str(exc))
     except MemoryError:
-        return ("error", _too_much_memory(kind))
+        return _error(_too_much_memory(kind))
     except RecursionError:
-        return ("error", f"the {kind} constraint nests too deeply to compile")
+        return _error(f"the {kind} constraint nests too deeply to compile")
     except Exception as exc:  # noqa: BLE001 - xgrammar's errors are RuntimeErrors
         if "bad_alloc" in str(exc):  # C++ allocation failed: the address space cap
-            return ("error", _too_much_memory(kind))
-        return ("error", f"the {kind} constraint cannot be compiled: {_clean(exc)}")
+            return _error(_too_much_memory(kind))
+        return _error(f"the {kind} constraint cannot be compiled: {_clean(exc)}")
+
+
+def _error(message: str) -> bytes:
+    return b"er:" + message.encode("utf-8", "backslashreplace")
 
 
 def _too_much_memory(kind: str) -> str:
@@ -134,17 +140,31 @@ def _too_much_memory(kind: str) -> str:
 
 
 def _cap_address_space(extra: int) -> None:
-    """Let this process grow by ``extra`` bytes of address space and no more."""
-    pages = int(open("/proc/self/statm").read().split()[0])  # noqa: SIM115
-    limit = pages * os.sysconf("SC_PAGE_SIZE") + extra
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    """Let this process grow by ``extra`` bytes of address space and no more (Linux; within
+    a hard limit already set, which a process cannot raise)."""
+    import resource  # Unix only
+
+    statm = Path("/proc/self/statm")
+    if not extra or not statm.exists():
+        return
+    limit = int(statm.read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE") + extra
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
-def _die_with_parent() -> None:
-    """Linux: this process is killed when the process that started it ends (a compile that
-    runs for minutes does not outlive the server)."""
+def _die_with_parent(parent: int) -> None:
+    """Linux: this process is killed when the thread that started it ends (a pool thread of
+    the compiler, which lives until its shutdown), so a compile that runs for minutes does not
+    outlive the server; and it ends now if that already happened. Ctrl-C in the server's
+    terminal is the server's to handle, not this process's."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(OSError, AttributeError):  # elsewhere: at its next read
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        sys.exit(0)
 
 
 def serve(conn: Connection, extra_memory: int) -> None:
@@ -152,23 +172,38 @@ def serve(conn: Connection, extra_memory: int) -> None:
     any_whitespace)`` in and an answer out, until the parent closes its end."""
     import xgrammar as xgr
 
-    conn.send("started")
-    info = xgr.TokenizerInfo.deserialize_json(conn.recv())
+    conn.send_bytes(b"started")
+    info = xgr.TokenizerInfo.deserialize_json(conn.recv_bytes().decode())
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    if extra_memory and os.path.exists("/proc/self/statm"):
-        _cap_address_space(extra_memory)
-    conn.send("ready")
+    _cap_address_space(extra_memory)
+    conn.send_bytes(b"ready")
     while True:
         try:
             kind, text, any_ws = conn.recv()
         except (EOFError, OSError):
             return
-        conn.send(_answer(xgr, compiler, kind, text, any_ws))
+        conn.send_bytes(_answer(xgr, compiler, kind, text, any_ws))
 
 
-def _expect(conn: Connection, word: str) -> None:
+def main() -> None:
+    """``python -c`` entry: the socket's fd, the memory cap, the parent's pid."""
+    fd, extra_memory, parent = (int(arg) for arg in sys.argv[1:4])
+    _die_with_parent(parent)
+    serve(Connection(fd), extra_memory)
+
+
+_ENTRY = (
+    "import sys; sys.path.append(sys.argv.pop(1)); "
+    "from pagellm.structured.compile_worker import main; main()"
+)
+"""Run with ``python -P``: no working directory on the path (a ``pagellm/`` or ``json.py``
+there would stand in for the real one); this package's root is searched last, for a server
+run from a source tree."""
+
+
+def _expect(conn: Connection, word: bytes) -> None:
     """Wait (bounded) for the worker to say ``word``; EOFError if it does not."""
-    if not conn.poll(START_SECONDS) or conn.recv() != word:
+    if not conn.poll(START_SECONDS) or conn.recv_bytes(64) != word:
         raise EOFError
 
 
@@ -179,7 +214,7 @@ class CompileWorker:
 
     def __init__(self, tokenizer_info: str, extra_memory: int = MAX_COMPILE_MEMORY) -> None:
         """``tokenizer_info``: xgrammar's TokenizerInfo as JSON (the worker's compiler's)."""
-        self._info = tokenizer_info
+        self._info = tokenizer_info.encode()
         self._extra_memory = extra_memory
         self._process: subprocess.Popen | None = None
         self._conn: Connection | None = None
@@ -189,34 +224,44 @@ class CompileWorker:
     @property
     def pid(self) -> int | None:
         """The running worker's process id (None before it starts or after it is stopped)."""
-        return self._process.pid if self._process is not None else None
+        process = self._process
+        return process.pid if process is not None else None
 
     def compile(self, kind: str, text: str, any_whitespace: bool, timeout: float) -> str:
         """The compiled grammar serialized, or StructuredOutputError: the compiler's message,
-        or a refusal once ``timeout`` seconds pass (the worker is killed) or it dies."""
+        a refusal once ``timeout`` seconds pass (the worker is killed), or CompileAborted."""
         with self._lock:
-            return self._compile(kind, text, any_whitespace, timeout)
-
-    def _compile(self, kind: str, text: str, any_whitespace: bool, timeout: float) -> str:
-        conn = self._start()
-        try:
-            conn.send((kind, text, any_whitespace))
-            if not conn.poll(timeout):
-                self._stop()
+            conn = self._start()
+            try:
+                reply = self._ask(conn, (kind, text, any_whitespace), timeout)
+            except StructuredOutputError:
+                raise
+            except (EOFError, OSError):
+                code = self._stop()
+                _LOG.warning("grammar compile worker failed on a %s constraint (exit code %s)",
+                             kind, code)  # fmt: skip
                 raise CompileAborted(
-                    f"the {kind} constraint is too expensive to compile: it took more than "
-                    f"{timeout:g} s"
-                )
-            status, payload = conn.recv()
-        except (EOFError, OSError):
-            code = self._stop()
-            raise CompileAborted(
-                f"the {kind} constraint cannot be compiled: the compiler failed on it "
-                f"(exit code {code})"
-            ) from None
-        if status != "ok":
-            raise StructuredOutputError(payload)
-        return payload
+                    f"the {kind} constraint cannot be compiled: the compiler failed on it "
+                    f"(exit code {code})"
+                ) from None
+            except BaseException:  # the conversation is out of step: start afresh
+                self._stop()
+                raise
+        if reply.startswith(b"ok:"):
+            return reply[3:].decode()
+        raise StructuredOutputError(reply[3:].decode())
+
+    def _ask(self, conn: Connection, request: tuple, timeout: float) -> bytes:
+        conn.send(request)
+        if not conn.poll(timeout):
+            self._stop()
+            _LOG.warning("grammar compile worker stopped: a %s constraint took over %g s",
+                         request[0], timeout)  # fmt: skip
+            raise StructuredOutputError(
+                f"the {request[0]} constraint is too expensive to compile: it took more than "
+                f"{timeout:g} s"
+            )
+        return conn.recv_bytes(MAX_REPLY_BYTES + 3)
 
     def start(self) -> None:
         """Start the worker unless it runs, and wait until it is ready (bounded)."""
@@ -228,26 +273,25 @@ class CompileWorker:
             return self._conn
         if self._closed:
             raise CompileAborted("the grammar compiler is shut down")
-        ours, theirs = socket.socketpair()
-        package_root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-        cmd = [sys.executable, "-m", __name__, str(theirs.fileno()), str(self._extra_memory)]
-        self._process = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()], env=env
-        )
-        theirs.close()
-        self._conn = conn = Connection(ours.detach())
         try:
+            self._conn, theirs = multiprocessing.Pipe()
+            root = str(Path(__file__).resolve().parents[2])
+            args = [root, str(theirs.fileno()), str(self._extra_memory), str(os.getpid())]
+            with theirs:
+                self._process = subprocess.Popen(
+                    [sys.executable, "-P", "-c", _ENTRY, *args],
+                    stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()],
+                )  # fmt: skip
             if self._closed:  # close() came while this started: it may not have seen it
                 raise EOFError
-            _expect(conn, "started")  # then it reads what follows at once
-            conn.send(self._info)
-            _expect(conn, "ready")
-        except (EOFError, OSError):
+            _expect(self._conn, b"started")  # then it reads what follows at once
+            self._conn.send_bytes(self._info)
+            _expect(self._conn, b"ready")
+        except (EOFError, OSError) as exc:
             code = self._stop()
+            _LOG.warning("grammar compile worker did not start (exit code %s): %r", code, exc)
             raise CompileAborted(f"the grammar compiler did not start (exit code {code})") from None
-        return conn
+        return self._conn
 
     def close(self) -> None:
         """Kill the worker for good: a compile in progress fails (it sees the worker die),
@@ -273,8 +317,3 @@ class CompileWorker:
             return process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             return None
-
-
-if __name__ == "__main__":
-    _die_with_parent()
-    serve(Connection(int(sys.argv[1])), int(sys.argv[2]))

@@ -3,8 +3,8 @@
 ``GrammarCompiler`` compiles a request's constraint off the caller's thread, in a worker process
 with a deadline (``compile_worker``), and caches the result by the constraint's key, so one
 schema compiles once however many requests use it; a constraint that does not compile, or not
-within the deadline, fails with a message that says why. ``StructuredOutputManager`` is what the engine drives: a matcher per sequence, advanced
-with each accepted token; the token bitmask of a step's sampling rows (one row per speculative
+within the deadline, fails with a message that says why. ``StructuredOutputManager`` is what
+the engine drives: a matcher per sequence, advanced with each accepted token; the token bitmask of a step's sampling rows (one row per speculative
 proposal plus one, computed by advancing through the proposals and rolling back); how many of a
 proposal the grammar allows.
 """
@@ -95,9 +95,9 @@ class GrammarCompiler:
         return future
 
     def _forget_aborted(self, key: tuple, future: Future) -> None:
-        """A compile the worker did not finish is not remembered: the next request with the
-        constraint tries again (a deadline missed under load may be met later)."""
-        if isinstance(future.exception(), CompileAborted):
+        """A compile the worker did not finish (or a future cancelled before it ran) is not
+        remembered: the next request with the constraint tries again."""
+        if future.cancelled() or isinstance(future.exception(), CompileAborted):
             with self._lock:
                 if self._cache.get(key) is future:
                     del self._cache[key]
@@ -128,7 +128,10 @@ class GrammarCompiler:
             text = worker.compile(params.kind, params.spec_text, any_ws, self.max_compile_seconds)
         finally:
             self._workers.put(worker)
-        compiled = self._xgr.CompiledGrammar.deserialize_json(text, self._info)
+        try:
+            compiled = self._xgr.CompiledGrammar.deserialize_json(text, self._info)
+        except Exception as exc:  # noqa: BLE001 - xgrammar's Deserialize*Errors
+            raise CompileAborted(f"the compiled grammar could not be read: {exc}") from None
         if self.on_compiled is not None:
             self.on_compiled(time.perf_counter() - start)
         return compiled
@@ -146,14 +149,18 @@ class GrammarCompiler:
 
 
 def _stop_all(workers: tuple[CompileWorker, ...]) -> None:
+    """Kill the workers for good (on shutdown, or when the compiler is collected)."""
     for worker in workers:
         worker.close()
 
 
+def _succeeded(future: Future) -> bool:
+    """Compiled: not pending, cancelled or failed."""
+    return future.done() and not future.cancelled() and future.exception() is None
+
+
 def _compiled_bytes(future: Future) -> int:
-    if not future.done() or future.exception() is not None:
-        return 0
-    return int(future.result().memory_size_bytes)
+    return int(future.result().memory_size_bytes) if _succeeded(future) else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,15 +240,17 @@ class StructuredOutputManager:
     def error(self, seq_id: str) -> str | None:
         """Why the sequence's grammar failed to compile (None while pending or once ready)."""
         future = self._entries[seq_id].future
-        if not future.done() or future.exception() is None:
+        if not future.done():
             return None
-        return str(future.exception())
+        if future.cancelled():  # the compiler was shut down
+            return "the grammar compiler was shut down before compiling it"
+        return None if future.exception() is None else str(future.exception())
 
     def ready(self, seq_id: str) -> bool:
         """Compiled, with its matcher made; False while compiling or after a failure."""
         entry = self._entries[seq_id]
         if entry.matcher is None:
-            if not entry.future.done() or entry.future.exception() is not None:
+            if not _succeeded(entry.future):
                 return False
             entry.matcher = self.compiler.matcher(entry.future.result())
         return True
