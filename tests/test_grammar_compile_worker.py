@@ -13,7 +13,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from pagellm.structured.grammar import GrammarCompiler
-from pagellm.structured.params import StructuredOutputError, StructuredOutputsParams
+from pagellm.structured.params import (
+    CompileQueueFull,
+    StructuredOutputError,
+    StructuredOutputsParams,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -175,3 +179,51 @@ def test_the_memory_cap_keeps_within_a_hard_limit_already_set():
     )  # fmt: skip
     soft, hard = map(int, out.stdout.split())
     assert hard == hard_kib << 10 and soft <= hard
+
+
+def test_new_compiles_past_the_pending_bound_are_refused_cached_ones_are_not(tokenizer):
+    compiler = make_compiler(tokenizer, max_workers=1, max_compile_seconds=600.0)
+    try:
+        for regex in ("a+", "b+", "c+"):  # one at a time: each ends before the next
+            compiler.compile(StructuredOutputsParams(regex=regex), max_pending=1).result()
+        compiler.compile(SLOW, max_pending=2)  # holds the one worker
+        digits = compiler.compile(DIGITS, max_pending=2)  # queued behind it
+        with pytest.raises(CompileQueueFull):
+            compiler.compile(StructuredOutputsParams(regex="[a-z]+"), max_pending=2)
+        assert compiler.compile(DIGITS, max_pending=2) is digits  # a cache hit needs no room
+        compiler.compile(StructuredOutputsParams(regex="[a-z]+"))  # no bound: queued
+        cancelled = compiler.compile(StructuredOutputsParams(regex="d+"))
+        assert cancelled.cancel()  # counted off once: room for one more beside the four
+        compiler.compile(StructuredOutputsParams(regex="e+"), max_pending=4)
+        with pytest.raises(CompileQueueFull):
+            compiler.compile(StructuredOutputsParams(regex="f+"), max_pending=4)
+    finally:
+        compiler.shutdown()
+
+
+def test_the_server_answers_503_with_retry_after_when_compiles_queue_up():
+    """The HTTP mapping, over a compiler whose queue is full (the bound is the server's
+    ``max_pending_compiles``): a 503 the client may retry, not a 400 or a 500."""
+    from types import SimpleNamespace
+
+    from fakes import FakeTokenizer, make_engine
+    from fastapi.testclient import TestClient
+
+    from pagellm.engine.async_engine import AsyncLLMEngine
+    from pagellm.server.app import ServerSettings, build_app
+
+    asked = []
+
+    def full(params, max_pending=None):
+        asked.append(max_pending)
+        raise CompileQueueFull("64 grammars are waiting to compile")
+
+    engine, _ = make_engine()
+    engine.structured = SimpleNamespace(compiler=SimpleNamespace(compile=full))
+    app = build_app(AsyncLLMEngine(engine), FakeTokenizer(), ServerSettings("m", 128))
+    body = {"prompt": [5, 6], "max_tokens": 2, "structured_outputs": {"regex": "[0-9]+"}}
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.post("/v1/completions", json=body)
+    assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+    assert "too many grammars waiting to compile" in r.json()["error"]["message"]
+    assert asked == [ServerSettings("m", 128).max_pending_compiles]

@@ -44,7 +44,11 @@ from pagellm.server.protocol import (
     TokenizeRequest,
     chat_messages,
 )
-from pagellm.structured.params import StructuredOutputError, StructuredOutputsParams
+from pagellm.structured.params import (
+    CompileQueueFull,
+    StructuredOutputError,
+    StructuredOutputsParams,
+)
 from pagellm.structured.tools import messages_for_template, template_renders_tools
 
 _RETRY = {"code": "server_busy", "headers": {"Retry-After": "1"}}
@@ -69,9 +73,12 @@ class ServerSettings:
     max_seqs_per_request: int = 256
     """Most sequences one request may ask for (a completions request's prompts x n)."""
     metrics_need_key: bool = True
+    """With an API key: /metrics needs it too (False opens it for a scraper)."""
     client_body_timeout: float = 60.0
     """Seconds a request body may take to arrive whole; past them, 408."""
-    """With an API key: /metrics needs it too (False opens it for a scraper)."""
+    max_pending_compiles: int = 64
+    """Grammars queued or compiling; a request with a new constraint past it gets 503 with
+    Retry-After (each compile may take up to the compile deadline on one of two workers)."""
     disable_ui: bool = False
     """No web console at /ui (``--disable-ui``)."""
     enable_auto_tool_choice: bool = False
@@ -455,9 +462,14 @@ class _Context:
         structured = getattr(self.front.engine, "structured", None)
         if structured is None:
             raise APIError(400, "structured outputs are not available on this server", param=param)
+        limit = self.settings.max_pending_compiles
         try:
-            # shielded: a client that goes away must not cancel a compile others may share
-            await asyncio.shield(asyncio.wrap_future(structured.compiler.compile(constraint)))
+            future = structured.compiler.compile(constraint, max_pending=limit)
+        except CompileQueueFull:
+            raise APIError(503, "the server is busy: too many grammars waiting to compile",
+                           **_RETRY) from None  # fmt: skip
+        try:  # shielded: a client that goes away must not cancel a compile others may share
+            await asyncio.shield(asyncio.wrap_future(future))
         except StructuredOutputError as exc:
             raise StructuredOutputError(str(exc), param) from None
 

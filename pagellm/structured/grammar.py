@@ -30,7 +30,7 @@ from pagellm.structured.compile_worker import (
     CompileAborted,
     CompileWorker,
 )
-from pagellm.structured.params import StructuredOutputsParams
+from pagellm.structured.params import CompileQueueFull, StructuredOutputsParams
 
 
 class GrammarCompiler:
@@ -79,28 +79,38 @@ class GrammarCompiler:
         self.stop_token_ids = list(stop_token_ids)
         self.disable_any_whitespace = disable_any_whitespace
         self.max_compile_seconds = max_compile_seconds
+        self._pending = 0
+        """Compiles submitted and not yet ended (queued or running)."""
 
-    def compile(self, params: StructuredOutputsParams) -> Future:
+    def compile(self, params: StructuredOutputsParams, max_pending: int | None = None) -> Future:
         """A future of the compiled grammar (done at once on a cache hit); its exception is a
-        StructuredOutputError naming the problem."""
+        StructuredOutputError naming the problem. With ``max_pending``: CompileQueueFull
+        instead of a new compile while that many are queued or running."""
         with self._lock:
             future = self._cache.get(params.key)
             if future is not None:
                 self._cache.move_to_end(params.key)
                 return future
+            if max_pending is not None and self._pending >= max_pending:
+                raise CompileQueueFull(f"{self._pending} grammars are waiting to compile")
             future = self._pool.submit(self._build, params)
             self._cache[params.key] = future
+            self._pending += 1
             self._evict()
-        future.add_done_callback(lambda done: self._forget_aborted(params.key, done))
+        future.add_done_callback(lambda done: self._finished(params.key, done))
         return future
 
-    def _forget_aborted(self, key: tuple, future: Future) -> None:
-        """A compile the worker did not finish (or a future cancelled before it ran) is not
-        remembered: the next request with the constraint tries again."""
-        if future.cancelled() or isinstance(future.exception(), CompileAborted):
-            with self._lock:
-                if self._cache.get(key) is future:
-                    del self._cache[key]
+    def _finished(self, key: tuple, future: Future) -> None:
+        """A compile ended. One the worker did not finish (or cancelled before it ran, so
+        never counted off by ``_build``) is not remembered: the next request with the
+        constraint tries again."""
+        cancelled = future.cancelled()
+        if not cancelled and not isinstance(future.exception(), CompileAborted):
+            return
+        with self._lock:
+            self._pending -= cancelled
+            if self._cache.get(key) is future:
+                del self._cache[key]
 
     def _evict(self) -> None:
         """Drop the least recently used grammars past the count or the bytes (the newest one
@@ -118,8 +128,17 @@ class GrammarCompiler:
         return self.compile(params).result()
 
     def _build(self, params: StructuredOutputsParams) -> Any:
-        """On a pool thread: one worker (there are as many as threads) compiles, this thread
-        deserializes its answer. The seconds reported leave out a worker's start."""
+        """On a pool thread: compile; no longer pending once it ends (before its waiters wake,
+        so a caller that saw it end finds room for another)."""
+        try:
+            return self._compile_in_worker(params)
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def _compile_in_worker(self, params: StructuredOutputsParams) -> Any:
+        """One worker (there are as many as pool threads) compiles, this thread deserializes
+        its answer. The seconds reported leave out a worker's start."""
         any_ws = not (params.disable_any_whitespace or self.disable_any_whitespace)
         worker = self._workers.get()
         try:

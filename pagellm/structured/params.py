@@ -54,6 +54,10 @@ class StructuredOutputError(ValueError):
         self.param = param
 
 
+class CompileQueueFull(Exception):
+    """Too many compiles are waiting for a new one to be queued (the server answers 503)."""
+
+
 @dataclass(frozen=True, slots=True)
 class StructuredOutputsParams:
     """One of: ``json`` (a JSON schema, as text or a mapping), ``regex``, ``choice`` (one of
