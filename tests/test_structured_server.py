@@ -291,3 +291,15 @@ def test_metrics_count_kinds_and_compile_times(client, server):
     ]
     assert compiles and compiles[0] >= 1
     assert any(k.startswith("pagellm:structured_output_mask_steps") and v > 0 for k, v in m.items())
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(
+            model=MODEL_NAME, prompt="x", max_tokens=4,
+            extra_body={"structured_outputs": {"grammar": "root ::= undefined_rule"}},
+        )  # fmt: skip
+    failures = {
+        k: v for k, v in metrics(server).items()
+        if k.startswith("pagellm:structured_output_compile_failures_total")
+    }  # fmt: skip
+    assert (
+        len(failures) == 3 and failures[next(k for k in failures if 'reason="invalid"' in k)] >= 1
+    )

@@ -36,7 +36,12 @@ from pagellm.engine.outputs import RequestOutput
 from pagellm.engine.sampling_params import ParamError, SamplingParams
 from pagellm.server.chat_tools import ChoiceCalls, ToolPlan, plan_tools
 from pagellm.server.errors import APIError, body_timeout, error_body, error_response, quoted_name
-from pagellm.server.metrics import RequestLatencies, grammar_compile_histogram, make_registry
+from pagellm.server.metrics import (
+    RequestLatencies,
+    grammar_compile_histogram,
+    grammar_failure_counter,
+    make_registry,
+)
 from pagellm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -109,6 +114,7 @@ def build_app(front: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -
     structured = getattr(front.engine, "structured", None)
     if structured is not None:
         structured.compiler.on_compiled = grammar_compile_histogram(registry, settings.model_name)
+        structured.compiler.on_failed = grammar_failure_counter(registry, settings.model_name)
 
     @app.get("/metrics")
     async def metrics() -> Response:

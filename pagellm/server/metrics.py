@@ -228,6 +228,23 @@ def grammar_compile_histogram(registry: CollectorRegistry, model_name: str) -> C
     return h.labels(model_name).observe
 
 
+def grammar_failure_counter(registry: CollectorRegistry, model_name: str) -> Callable:
+    """``count(reason)`` of compilations that ended without a grammar: ``invalid`` (the
+    compiler's error), ``deadline`` (worker killed past the compile deadline), ``aborted``
+    (worker crashed, did not start, or the server shut it down)."""
+    from prometheus_client import Counter
+
+    c = Counter(
+        "pagellm:structured_output_compile_failures",
+        "Structured-output grammar compilations that failed, by reason.",
+        ["model_name", "reason"],
+        registry=registry,
+    )
+    for reason in ("invalid", "deadline", "aborted"):
+        c.labels(model_name, reason)
+    return lambda reason: c.labels(model_name, reason).inc()
+
+
 class RequestLatencies:
     """Histograms observed by the server as outputs arrive (same monotonic clock as the engine)."""
 

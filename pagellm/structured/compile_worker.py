@@ -37,9 +37,13 @@ ordinary schemas compile in milliseconds, a schema pattern ``.{0,2000}`` in ~2 s
 repetitions ``(.{0,10}){0,10}`` in ~30 s and more (Zen 4)."""
 MAX_COMPILE_MEMORY = 2 << 30
 """Address space a compile may add to the worker's own, in bytes (its allocations fail past it)."""
-MAX_REPLY_BYTES = 128 << 20
-"""A compiled grammar whose serialized form is larger than this is refused: the server holds
-it whole while it reads it (3,000 regex alternatives take ~0.3 MB, ``.{0,1000}`` ~12 MB)."""
+MAX_REPLY_BYTES = 16 << 20
+"""A compiled grammar is sent back serialized up to this size (3,000 regex alternatives take
+~0.6 MB, ``.{0,1000}`` ~12 MB); past it the worker only says it compiled, and the server
+compiles it again itself: a deserialized grammar holds about its serialized size in memory
+(800 chained rules: 89 MB of JSON, ~80 MB once read, against 1.8 MB compiled in place)."""
+TOO_BIG_TO_SEND = None
+"""What ``CompileWorker.compile`` returns for a grammar that compiled but is not sent."""
 WORKER_NICENESS = 10
 """Added to a worker's nice value: on a busy server a slow compile takes only idle CPU."""
 START_SECONDS = 300.0
@@ -56,6 +60,10 @@ class CompileAborted(StructuredOutputError):
     """The worker did not answer (it crashed, did not start, was shut down): unlike the
     compiler's errors and a missed deadline this says nothing certain of the constraint, so it
     is not cached."""
+
+
+class CompileDeadline(StructuredOutputError):
+    """The compile ran past its deadline (its worker was killed)."""
 
 
 def _clean(exc: BaseException) -> str:
@@ -112,15 +120,14 @@ def build(xgr: Any, compiler: Any, kind: str, text: str, any_whitespace: bool) -
     return compiler.compile_grammar(text)
 
 
-def _answer(xgr: Any, compiler: Any, kind: str, text: str, any_ws: bool) -> bytes:
-    """``ok:`` and the serialized grammar, or ``er:`` and the client's message (UTF-8)."""
+def _answer(xgr: Any, compiler: Any, request: tuple, max_reply: int) -> bytes:
+    """``ok:`` and the serialized grammar, ``big`` (compiled, too big to send), or ``er:``
+    and the client's message (UTF-8)."""
+    kind, text, any_ws = request
     try:
         compiled = build(xgr, compiler, kind, text, any_ws)
         data = compiled.serialize_json().encode()
-        if len(data) > MAX_REPLY_BYTES:
-            return _error(f"the {kind} constraint compiles to {len(data) >> 20} MiB of grammar "
-                          f"(at most {MAX_REPLY_BYTES >> 20} MiB)")  # fmt: skip
-        return b"ok:" + data
+        return b"ok:" + data if len(data) <= max_reply else b"big"
     except StructuredOutputError as exc:
         return _error(str(exc))
     except MemoryError:
@@ -172,7 +179,7 @@ def _die_with_parent(parent: int) -> None:
         sys.exit(0)
 
 
-def serve(conn: Connection, extra_memory: int) -> None:
+def serve(conn: Connection, extra_memory: int, max_reply: int) -> None:
     """The worker's loop: xgrammar's TokenizerInfo as JSON first, then ``(kind, text,
     any_whitespace)`` in and an answer out, until the parent closes its end."""
     import xgrammar as xgr
@@ -184,17 +191,17 @@ def serve(conn: Connection, extra_memory: int) -> None:
     conn.send_bytes(b"ready")
     while True:
         try:
-            kind, text, any_ws = conn.recv()
+            request = conn.recv()
         except (EOFError, OSError):
             return
-        conn.send_bytes(_answer(xgr, compiler, kind, text, any_ws))
+        conn.send_bytes(_answer(xgr, compiler, request, max_reply))
 
 
 def main() -> None:
-    """``python -c`` entry: the socket's fd, the memory cap, the parent's pid."""
-    fd, extra_memory, parent = (int(arg) for arg in sys.argv[1:4])
+    """``python -c`` entry: the socket's fd, the memory cap, the reply cap, the parent's pid."""
+    fd, extra_memory, max_reply, parent = (int(arg) for arg in sys.argv[1:5])
     _die_with_parent(parent)
-    serve(Connection(fd), extra_memory)
+    serve(Connection(fd), extra_memory, max_reply)
 
 
 _ENTRY = (
@@ -217,10 +224,16 @@ class CompileWorker:
     at a time, killed when it misses the deadline and started again later. Its lock is held
     through a start or a compile; ``close`` may come from any thread."""
 
-    def __init__(self, tokenizer_info: str, extra_memory: int = MAX_COMPILE_MEMORY) -> None:
+    def __init__(
+        self,
+        tokenizer_info: str,
+        extra_memory: int = MAX_COMPILE_MEMORY,
+        max_reply_bytes: int = MAX_REPLY_BYTES,
+    ) -> None:
         """``tokenizer_info``: xgrammar's TokenizerInfo as JSON (the worker's compiler's)."""
         self._info = tokenizer_info.encode()
         self._extra_memory = extra_memory
+        self._max_reply = max_reply_bytes
         self._process: subprocess.Popen | None = None
         self._conn: Connection | None = None
         self._closed = False
@@ -232,9 +245,11 @@ class CompileWorker:
         process = self._process
         return process.pid if process is not None else None
 
-    def compile(self, kind: str, text: str, any_whitespace: bool, timeout: float) -> str:
-        """The compiled grammar serialized, or StructuredOutputError: the compiler's message,
-        a refusal once ``timeout`` seconds pass (the worker is killed), or CompileAborted."""
+    def compile(self, kind: str, text: str, any_whitespace: bool, timeout: float) -> str | None:
+        """The compiled grammar serialized (``TOO_BIG_TO_SEND``: it compiled within the bounds
+        but is larger than ``MAX_REPLY_BYTES``), or StructuredOutputError: the compiler's
+        message, a refusal once ``timeout`` seconds pass (the worker is killed), or
+        CompileAborted."""
         with self._lock:
             conn = self._start()
             try:
@@ -254,6 +269,8 @@ class CompileWorker:
                 raise
         if reply.startswith(b"ok:"):
             return reply[3:].decode()
+        if reply == b"big":
+            return TOO_BIG_TO_SEND
         raise StructuredOutputError(reply[3:].decode())
 
     def _ask(self, conn: Connection, request: tuple, timeout: float) -> bytes:
@@ -262,11 +279,11 @@ class CompileWorker:
             self._stop()
             _LOG.warning("grammar compile worker stopped: a %s constraint took over %g s",
                          request[0], timeout)  # fmt: skip
-            raise StructuredOutputError(
+            raise CompileDeadline(
                 f"the {request[0]} constraint is too expensive to compile: it took more than "
                 f"{timeout:g} s"
             )
-        return conn.recv_bytes(MAX_REPLY_BYTES + 3)
+        return conn.recv_bytes(self._max_reply + 3)
 
     def start(self) -> None:
         """Start the worker unless it runs, and wait until it is ready (bounded)."""
@@ -274,14 +291,16 @@ class CompileWorker:
             self._start()
 
     def _start(self) -> Connection:
-        if self._conn is not None:
+        if self._conn is not None and self._process.poll() is None:
             return self._conn
+        self._stop()  # one that died while idle is not blamed on the next constraint
         if self._closed:
             raise CompileAborted("the grammar compiler is shut down")
         try:
             self._conn, theirs = multiprocessing.Pipe()
             root = str(Path(__file__).resolve().parents[2])
-            args = [root, str(theirs.fileno()), str(self._extra_memory), str(os.getpid())]
+            limits = [self._extra_memory, self._max_reply, os.getpid()]
+            args = [root, str(theirs.fileno()), *map(str, limits)]
             with theirs:
                 self._process = subprocess.Popen(
                     [sys.executable, "-P", "-c", _ENTRY, *args],

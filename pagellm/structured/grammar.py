@@ -27,10 +27,27 @@ from pagellm.sampling.sampler import bitmask_allowed
 from pagellm.structured.compile_worker import (
     MAX_COMPILE_MEMORY,
     MAX_COMPILE_SECONDS,
+    MAX_REPLY_BYTES,
+    TOO_BIG_TO_SEND,
     CompileAborted,
+    CompileDeadline,
     CompileWorker,
+    build,
 )
-from pagellm.structured.params import CompileQueueFull, StructuredOutputsParams
+from pagellm.structured.params import (
+    CompileQueueFull,
+    StructuredOutputError,
+    StructuredOutputsParams,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledConstraint:
+    grammar: Any
+    """xgrammar's CompiledGrammar."""
+    nbytes: int
+    """What it holds in memory, as the cache counts it (a grammar read from its serialized
+    form holds about that form's size, more than xgrammar's ``memory_size_bytes`` says)."""
 
 
 class GrammarCompiler:
@@ -48,13 +65,15 @@ class GrammarCompiler:
         disable_any_whitespace: bool = False,
         max_compile_seconds: float = MAX_COMPILE_SECONDS,
         max_compile_memory: int = MAX_COMPILE_MEMORY,
+        max_reply_bytes: int = MAX_REPLY_BYTES,
     ) -> None:
         """``on_compiled``: called with the seconds of every compilation that ran (cache hits
         are not compilations); ``disable_any_whitespace``: for every request's JSON. The cache
         keeps at most ``cache_size`` grammars and ``cache_bytes`` of them (one constraint of the
         64 KiB allowed can compile to tens of MB: 3,000 regex alternatives took 21 MB).
         ``max_workers`` worker processes compile, each started on first need; a compile past
-        ``max_compile_seconds`` or ``max_compile_memory`` bytes is refused."""
+        ``max_compile_seconds`` or ``max_compile_memory`` bytes is refused; one that serializes
+        to more than ``max_reply_bytes`` is compiled again here."""
         import xgrammar as xgr
 
         info = xgr.TokenizerInfo.from_huggingface(
@@ -62,9 +81,13 @@ class GrammarCompiler:
         )
         self._xgr = xgr
         self._info = info
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        """For grammars too big to send back: compiled again here."""
         self._workers: queue.LifoQueue[CompileWorker] = queue.LifoQueue()  # started ones first
         text = info.serialize_json()
-        workers = [CompileWorker(text, max_compile_memory) for _ in range(max_workers)]
+        workers = [
+            CompileWorker(text, max_compile_memory, max_reply_bytes) for _ in range(max_workers)
+        ]
         for worker in workers:
             self._workers.put(worker)
         self._all_workers = tuple(workers)
@@ -75,6 +98,8 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._cache_bytes = cache_bytes
         self.on_compiled = on_compiled
+        self.on_failed: Callable[[str], None] | None = None
+        """Called with why a compilation failed: invalid, deadline or aborted."""
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.disable_any_whitespace = disable_any_whitespace
@@ -132,6 +157,10 @@ class GrammarCompiler:
         so a caller that saw it end finds room for another)."""
         try:
             return self._compile_in_worker(params)
+        except StructuredOutputError as exc:
+            if self.on_failed is not None:
+                self.on_failed(_failure_reason(exc))
+            raise
         finally:
             with self._lock:
                 self._pending -= 1
@@ -147,16 +176,29 @@ class GrammarCompiler:
             text = worker.compile(params.kind, params.spec_text, any_ws, self.max_compile_seconds)
         finally:
             self._workers.put(worker)
-        try:
-            compiled = self._xgr.CompiledGrammar.deserialize_json(text, self._info)
-        except Exception as exc:  # noqa: BLE001 - xgrammar's Deserialize*Errors
-            raise CompileAborted(f"the compiled grammar could not be read: {exc}") from None
+        if text is TOO_BIG_TO_SEND:  # it compiled within the bounds there: as fast here
+            grammar = self._build_here(params, any_ws)
+            nbytes = int(grammar.memory_size_bytes)
+        else:
+            try:
+                grammar = self._xgr.CompiledGrammar.deserialize_json(text, self._info)
+            except Exception as exc:  # noqa: BLE001 - xgrammar's Deserialize*Errors
+                raise CompileAborted(f"the compiled grammar could not be read: {exc}") from None
+            nbytes = max(len(text), int(grammar.memory_size_bytes))  # read, it takes ~its text
         if self.on_compiled is not None:
             self.on_compiled(time.perf_counter() - start)
-        return compiled
+        return CompiledConstraint(grammar, nbytes)
 
-    def matcher(self, compiled: Any) -> Any:
-        return self._xgr.GrammarMatcher(compiled)
+    def _build_here(self, params: StructuredOutputsParams, any_ws: bool) -> Any:
+        try:
+            return build(self._xgr, self._compiler, params.kind, params.spec_text, any_ws)
+        except StructuredOutputError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - it compiled in the worker: not the client's
+            raise CompileAborted(f"the {params.kind} constraint failed to compile: {exc}") from None
+
+    def matcher(self, compiled: CompiledConstraint) -> Any:
+        return self._xgr.GrammarMatcher(compiled.grammar)
 
     def worker_pids(self) -> list[int]:
         """The process ids of the compile workers running now."""
@@ -165,6 +207,12 @@ class GrammarCompiler:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._stop_workers()
+
+
+def _failure_reason(exc: StructuredOutputError) -> str:
+    if isinstance(exc, CompileDeadline):
+        return "deadline"
+    return "aborted" if isinstance(exc, CompileAborted) else "invalid"
 
 
 def _stop_all(workers: tuple[CompileWorker, ...]) -> None:
@@ -179,7 +227,7 @@ def _succeeded(future: Future) -> bool:
 
 
 def _compiled_bytes(future: Future) -> int:
-    return int(future.result().memory_size_bytes) if _succeeded(future) else 0
+    return future.result().nbytes if _succeeded(future) else 0
 
 
 @dataclass(frozen=True, slots=True)
