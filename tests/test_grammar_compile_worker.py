@@ -263,3 +263,18 @@ def test_the_server_answers_503_with_retry_after_when_compiles_queue_up():
     assert r.status_code == 503 and r.headers["Retry-After"] == "1"
     assert "too many grammars waiting to compile" in r.json()["error"]["message"]
     assert asked == [ServerSettings("m", 128).max_pending_compiles]
+
+
+def test_a_grammar_too_expensive_to_match_is_refused_before_it_runs(tokenizer):
+    """It compiles in 0.05 s, but one bitmask fill takes ~0.7 s (Zen 4): the worker's trial
+    walk finds it, so the engine thread never fills it."""
+    compiler = make_compiler(tokenizer, max_workers=1)
+    failures = []
+    compiler.on_failed = failures.append
+    try:
+        with pytest.raises(StructuredOutputError, match="too expensive to match: one step took"):
+            compiler.compile_now(StructuredOutputsParams(regex="(.{0,5}){0,5}"))
+        assert failures == ["invalid"]
+        compiler.compile_now(StructuredOutputsParams(regex=".{0,200}"))  # wide, but cheap
+    finally:
+        compiler.shutdown()

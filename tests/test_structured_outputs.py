@@ -6,6 +6,8 @@ fails its request alone; a slow compilation holds back only its own request.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import re
 import threading
@@ -338,6 +340,32 @@ def test_a_grammar_too_expensive_to_match_fails_alone(llm):
         assert len(finished["plain"].outputs[0].token_ids) == 40
     finally:
         structured.max_step_seconds = saved
+
+
+def test_copies_past_the_step_budget_get_no_fill(llm, monkeypatch):
+    """Once a step's fills of a request's copies pass the step's bound, its other copies are
+    not filled (n costly fills would stall the step n times) and the request fails as a bad
+    request; a request beside it runs on. The clock moves 1 ms a reading: a fill or an accept
+    costs 1 ms; the bound is 2.5 ms a step."""
+    structured = llm.engine.structured
+    ticks = itertools.count()
+    monkeypatch.setattr(structured, "clock", lambda: next(ticks) / 1000)
+    monkeypatch.setattr(structured, "max_step_seconds", 0.0025)
+    fills = []
+    bitmask = structured.bitmask
+    monkeypatch.setattr(
+        structured, "bitmask", lambda seq, proposal: (fills.append(seq), bitmask(seq, proposal))[1]
+    )
+    engine = llm.engine
+    engine.add_request("copies", "x", dataclasses.replace(constrained(0, 20, regex="[a-z]+"), n=4))
+    engine.add_request("plain", "y", greedy([6])[0])
+    finished = run_engine(engine)
+    # step 1: the shared prompt's one row (fill + accept: 2 ms); step 2: three fills reach
+    # 3 ms, the fourth copy gets none
+    assert fills == ["copies#0", "copies#0", "copies#1", "copies#2"]
+    assert finished["copies"].error_is_bad_request
+    assert "too expensive to match: one step took" in finished["copies"].error
+    assert finished["plain"].error is None
 
 
 def test_a_requests_copies_share_its_matching_budget(llm):

@@ -312,16 +312,24 @@ class LLMEngine:
             return None
         return self.structured.allowed_proposal(seq_id, proposal) if proposal else 0
 
-    def _attach_bitmasks(self, sched: SchedulerOutput) -> dict[str, str]:
+    def _attach_bitmasks(
+        self, sched: SchedulerOutput, over_budget: dict[str, str]
+    ) -> dict[str, str]:
         """Each constrained sampling row's bitmask; returns the sequences whose grammar failed
         to give one (seq id -> why): they fail alone after the step, and their row samples
-        unconstrained meanwhile (its tokens are dropped with the request)."""
+        unconstrained meanwhile (its tokens are dropped with the request). A sequence whose
+        request is already past its matching budget (a copy's fill this step, or a proposal
+        check) gets none: ``n`` costly fills would stall the step ``n`` times; it goes in
+        ``over_budget`` (seq id -> why), failed as a bad request."""
         structured = self.structured
         if structured is None or not structured.active():
             return {}
         start, filled, failed = self.clock(), 0, {}
         for item in sched.scheduled:
             if item.sample and structured.has(item.request_id):
+                if (why := structured.over_budget(item.request_id)) is not None:
+                    over_budget[item.request_id] = why
+                    continue
                 try:
                     item.token_bitmask = structured.bitmask(item.request_id, item.spec_token_ids)
                 except Exception as exc:  # noqa: BLE001 - this request's grammar: it fails alone
@@ -465,13 +473,14 @@ class LLMEngine:
         if self.structured is not None:
             self.structured.new_step()  # the schedule's proposals count toward this step
         sched = self.scheduler.schedule()
-        mask_failed = self._attach_bitmasks(sched)
+        over_budget: dict[str, str] = {}
+        mask_failed = self._attach_bitmasks(sched, over_budget)
         before_execute = self.clock()
         result = self.executor.execute(sched)
         self.stats.execute_seconds += self.clock() - before_execute
-        failed = self._groups_of({**result.failed, **mask_failed})
+        bad_requests = set(self._groups_of(over_budget))
+        failed = self._groups_of({**result.failed, **mask_failed, **over_budget})
         touched = self.scheduler.update(sched, result)
-        bad_requests: set[str] = set()
         self._advance_grammars(touched, failed, bad_requests)
         self._drop_unseen_tokens(touched, failed)
         groups: dict[str, _Group] = {}

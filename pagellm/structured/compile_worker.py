@@ -20,11 +20,14 @@ import json
 import logging
 import multiprocessing
 import os
+import random
 import re
 import signal
 import subprocess
 import sys
 import threading
+import time
+import zlib
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,13 @@ TOO_BIG_TO_SEND = None
 """What ``CompileWorker.compile`` returns for a grammar that compiled but is not sent."""
 WORKER_NICENESS = 10
 """Added to a worker's nice value: on a busy server a slow compile takes only idle CPU."""
+PROBE_STEPS = 16
+"""Tokens of the trial walk through a compiled grammar (``probe_matching``)."""
+MAX_PROBE_STEP_SECONDS = 0.05
+"""A grammar one of whose trial steps (a bitmask fill and a token) takes more CPU than this
+is refused: the engine fills a request's bitmasks on its one thread, each step, for every
+copy (ordinary grammars take under 1 ms; the regex ``(.{0,5}){0,5}`` 0.7 s, ``(.{0,10}){0,10}``
+2.5 s, though both compile in 0.05 s)."""
 START_SECONDS = 300.0
 """How long a new worker may take to be ready (it imports xgrammar and torch: seconds, more on
 a busy machine)."""
@@ -120,12 +130,41 @@ def build(xgr: Any, compiler: Any, kind: str, text: str, any_whitespace: bool) -
     return compiler.compile_grammar(text)
 
 
+def probe_matching(xgr: Any, compiled: Any, seed: int) -> float:
+    """The CPU seconds of the costliest step (bitmask fill, then one token) on a seeded random
+    walk of ``PROBE_STEPS`` tokens the grammar allows (not its stop tokens); it stops early
+    past ``MAX_PROBE_STEP_SECONDS`` or where the grammar can only end. A trial, not a proof:
+    a path it does not take may cost more, which the engine's matching budget then bounds."""
+    from pagellm.sampling.sampler import bitmask_allowed
+
+    info = compiled.tokenizer_info
+    vocab, stops = info.vocab_size, set(info.stop_token_ids)
+    matcher, mask = xgr.GrammarMatcher(compiled), xgr.allocate_token_bitmask(1, info.vocab_size)
+    rng, worst = random.Random(seed), 0.0
+    for _ in range(PROBE_STEPS):
+        start = time.thread_time()
+        matcher.fill_next_token_bitmask(mask)
+        filled = time.thread_time() - start
+        allowed = bitmask_allowed(mask[0], vocab).nonzero().flatten().tolist()
+        choices = [t for t in allowed if t not in stops]
+        start = time.thread_time()
+        accepted = bool(choices) and matcher.accept_token(rng.choice(choices))
+        worst = max(worst, filled + time.thread_time() - start)
+        if not accepted or worst > MAX_PROBE_STEP_SECONDS:
+            break
+    return worst
+
+
 def _answer(xgr: Any, compiler: Any, request: tuple, max_reply: int) -> bytes:
     """``ok:`` and the serialized grammar, ``big`` (compiled, too big to send), or ``er:``
     and the client's message (UTF-8)."""
     kind, text, any_ws = request
     try:
         compiled = build(xgr, compiler, kind, text, any_ws)
+        worst = probe_matching(xgr, compiled, zlib.crc32(text.encode("utf-8", "replace")))
+        if worst > MAX_PROBE_STEP_SECONDS:
+            return _error(f"the {kind} constraint is too expensive to match: one step took "
+                          f"{worst:.2f} s in a trial (at most {MAX_PROBE_STEP_SECONDS:g} s)")  # fmt: skip
         data = compiled.serialize_json().encode()
         return b"ok:" + data if len(data) <= max_reply else b"big"
     except StructuredOutputError as exc:
