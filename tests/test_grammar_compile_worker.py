@@ -9,12 +9,15 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from pagellm.structured.grammar import GrammarCompiler
 from pagellm.structured.params import (
+    CompileAborted,
     CompileQueueFull,
     StructuredOutputError,
     StructuredOutputsParams,
@@ -86,7 +89,7 @@ def test_a_worker_that_dies_costs_its_constraint_alone(tokenizer):
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(StructuredOutputError, match=r"failed on it \(exit code -9\)"):
             future.result(timeout=300)
-        assert failures == ["aborted"]
+        assert failures == ["crashed"]
         choice = compiler.compile_now(StructuredOutputsParams(choice=["yes", "no"]))
         assert accepts(compiler, choice, "yes", tokenizer)
         assert compiler.compile(SLOW) is not future  # a crash is not cached: tried again
@@ -195,7 +198,7 @@ def test_a_worker_that_died_idle_is_replaced_before_the_next_compile(tokenizer):
 def _reaped(pid: int) -> bool:
     """Ended, or a zombie whose threads have all ended (its parent can wait for it now)."""
     try:
-        zombie = open(f"/proc/{pid}/stat").read().split()[2] == "Z"  # noqa: SIM115
+        zombie = Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
         return zombie and len(os.listdir(f"/proc/{pid}/task")) <= 1
     except OSError:
         return True
@@ -237,9 +240,25 @@ def test_new_compiles_past_the_pending_bound_are_refused_cached_ones_are_not(tok
         compiler.shutdown()
 
 
-def test_the_server_answers_503_with_retry_after_when_compiles_queue_up():
-    """The HTTP mapping, over a compiler whose queue is full (the bound is the server's
-    ``max_pending_compiles``): a 503 the client may retry, not a 400 or a 500."""
+def _queue_full(params, max_pending=None):
+    assert max_pending == 64  # the server's max_pending_compiles
+    raise CompileQueueFull("64 grammars are waiting to compile")
+
+
+def _aborted(params, max_pending=None):
+    future = Future()
+    future.set_exception(CompileAborted("the server is too busy to compile the regex now"))
+    return future
+
+
+@pytest.mark.parametrize(
+    "compile, message",
+    [(_queue_full, "too many grammars waiting to compile"), (_aborted, "too busy to compile")],
+)
+def test_the_server_answers_503_with_retry_after_for_its_own_trouble(compile, message):
+    """The HTTP mapping: a full compile queue, or a compile the server could not run now (a
+    worker that did not start, a machine too busy), is a 503 the client may retry, not a 400
+    or a 500."""
     from types import SimpleNamespace
 
     from fakes import FakeTokenizer, make_engine
@@ -248,21 +267,39 @@ def test_the_server_answers_503_with_retry_after_when_compiles_queue_up():
     from pagellm.engine.async_engine import AsyncLLMEngine
     from pagellm.server.app import ServerSettings, build_app
 
-    asked = []
-
-    def full(params, max_pending=None):
-        asked.append(max_pending)
-        raise CompileQueueFull("64 grammars are waiting to compile")
-
     engine, _ = make_engine()
-    engine.structured = SimpleNamespace(compiler=SimpleNamespace(compile=full))
+    engine.structured = SimpleNamespace(compiler=SimpleNamespace(compile=compile))
     app = build_app(AsyncLLMEngine(engine), FakeTokenizer(), ServerSettings("m", 128))
     body = {"prompt": [5, 6], "max_tokens": 2, "structured_outputs": {"regex": "[0-9]+"}}
     with TestClient(app, raise_server_exceptions=False) as client:
         r = client.post("/v1/completions", json=body)
     assert r.status_code == 503 and r.headers["Retry-After"] == "1"
-    assert "too many grammars waiting to compile" in r.json()["error"]["message"]
-    assert asked == [ServerSettings("m", 128).max_pending_compiles]
+    assert message in r.json()["error"]["message"]
+
+
+def test_the_deadline_counts_cpu_time_not_waiting(tokenizer):
+    """A worker that gets no CPU (a busy machine; here a CPU clock that stands still) is not
+    charged for waiting: past 4 deadlines of wall time the compile is the server's trouble
+    (CompileAborted: a 503, not cached), not the constraint's (CompileDeadline: a 400)."""
+    import itertools
+
+    import xgrammar as xgr
+
+    from pagellm.structured.worker_handle import CompileWorker
+
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=len(tokenizer), stop_token_ids=[tokenizer.eos_token_id]
+    ).serialize_json()
+    seconds = itertools.count()  # the wall clock moves 1 s a reading; no CPU is ever used
+    worker = CompileWorker(info, clock=lambda: next(seconds), cpu_clock=lambda pid: 0.0)
+    try:
+        assert worker.compile("regex", "[0-9]+", False, 1.0).startswith("{")  # answers at once
+        with pytest.raises(CompileAborted, match="too busy to compile the json constraint"):
+            worker.compile("json", SLOW.spec_text, False, 1.0)
+        assert worker.pid is None  # killed; the next compile starts another
+        assert worker.compile("regex", "[a-z]+", False, 1.0).startswith("{")
+    finally:
+        worker.close()
 
 
 def test_a_grammar_too_expensive_to_match_is_refused_before_it_runs(tokenizer):

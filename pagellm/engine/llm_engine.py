@@ -310,7 +310,9 @@ class LLMEngine:
         a draft model's proposals, not known yet, get 0)."""
         if self.structured is None or not self.structured.has(seq_id):
             return None
-        return self.structured.allowed_proposal(seq_id, proposal) if proposal else 0
+        if not proposal or self.structured.over_budget(seq_id) is not None:
+            return 0  # a copy of a request past its budget: no more checks this step
+        return self.structured.allowed_proposal(seq_id, proposal)
 
     def _attach_bitmasks(
         self, sched: SchedulerOutput, over_budget: dict[str, str]
@@ -479,7 +481,7 @@ class LLMEngine:
         result = self.executor.execute(sched)
         self.stats.execute_seconds += self.clock() - before_execute
         bad_requests = set(self._groups_of(over_budget))
-        failed = self._groups_of({**result.failed, **mask_failed, **over_budget})
+        failed = self._groups_of({**over_budget, **result.failed, **mask_failed})
         touched = self.scheduler.update(sched, result)
         self._advance_grammars(touched, failed, bad_requests)
         self._drop_unseen_tokens(touched, failed)

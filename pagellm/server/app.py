@@ -50,6 +50,7 @@ from pagellm.server.protocol import (
     chat_messages,
 )
 from pagellm.structured.params import (
+    CompileAborted,
     CompileQueueFull,
     StructuredOutputError,
     StructuredOutputsParams,
@@ -476,6 +477,8 @@ class _Context:
                            **_RETRY) from None  # fmt: skip
         try:  # shielded: a client that goes away must not cancel a compile others may share
             await asyncio.shield(asyncio.wrap_future(future))
+        except CompileAborted as exc:  # the server's trouble, not the constraint's
+            raise APIError(503, str(exc), **_RETRY) from None
         except StructuredOutputError as exc:
             raise StructuredOutputError(str(exc), param) from None
 

@@ -24,21 +24,16 @@ from typing import Any
 import torch
 
 from pagellm.sampling.sampler import bitmask_allowed
-from pagellm.structured.compile_worker import (
-    MAX_COMPILE_MEMORY,
-    MAX_COMPILE_SECONDS,
-    MAX_REPLY_BYTES,
-    TOO_BIG_TO_SEND,
-    CompileAborted,
-    CompileDeadline,
-    CompileWorker,
-    build,
-)
+from pagellm.structured.compile_worker import MAX_COMPILE_MEMORY, MAX_REPLY_BYTES, build
 from pagellm.structured.params import (
+    CompileAborted,
+    CompileCrashed,
+    CompileDeadline,
     CompileQueueFull,
     StructuredOutputError,
     StructuredOutputsParams,
 )
+from pagellm.structured.worker_handle import MAX_COMPILE_SECONDS, TOO_BIG_TO_SEND, CompileWorker
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +77,8 @@ class GrammarCompiler:
         self._xgr = xgr
         self._info = info
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        """For grammars too big to send back: compiled again here."""
+        """For grammars too big to send back: compiled again here, one at a time."""
+        self._here_lock = threading.Lock()
         self._workers: queue.LifoQueue[CompileWorker] = queue.LifoQueue()  # started ones first
         text = info.serialize_json()
         workers = [
@@ -130,10 +126,11 @@ class GrammarCompiler:
         never counted off by ``_build``) is not remembered: the next request with the
         constraint tries again."""
         cancelled = future.cancelled()
-        if not cancelled and not isinstance(future.exception(), CompileAborted):
+        if not cancelled and not isinstance(future.exception(), _NOT_CACHED):
             return
         with self._lock:
-            self._pending -= cancelled
+            if cancelled:
+                self._pending -= 1
             if self._cache.get(key) is future:
                 del self._cache[key]
 
@@ -176,15 +173,16 @@ class GrammarCompiler:
             text = worker.compile(params.kind, params.spec_text, any_ws, self.max_compile_seconds)
         finally:
             self._workers.put(worker)
-        if text is TOO_BIG_TO_SEND:  # it compiled within the bounds there: as fast here
-            grammar = self._build_here(params, any_ws)
+        if text is TOO_BIG_TO_SEND:  # it compiled within the bounds there (not killable here)
+            with self._here_lock:  # one at a time: not a second worker's worth of CPU and memory
+                grammar = self._build_here(params, any_ws)
             nbytes = int(grammar.memory_size_bytes)
         else:
             try:
                 grammar = self._xgr.CompiledGrammar.deserialize_json(text, self._info)
             except Exception as exc:  # noqa: BLE001 - xgrammar's Deserialize*Errors
                 raise CompileAborted(f"the compiled grammar could not be read: {exc}") from None
-            nbytes = max(len(text), int(grammar.memory_size_bytes))  # read, it takes ~its text
+            nbytes = max(len(text), int(grammar.memory_size_bytes))  # read: ~its JSON's size
         if self.on_compiled is not None:
             self.on_compiled(time.perf_counter() - start)
         return CompiledConstraint(grammar, nbytes)
@@ -209,10 +207,13 @@ class GrammarCompiler:
         self._stop_workers()
 
 
+_NOT_CACHED = (CompileAborted, CompileCrashed)
+"""Failures that say nothing certain of the constraint: the next request compiles again."""
+_REASONS = ((CompileDeadline, "deadline"), (CompileCrashed, "crashed"), (CompileAborted, "aborted"))
+
+
 def _failure_reason(exc: StructuredOutputError) -> str:
-    if isinstance(exc, CompileDeadline):
-        return "deadline"
-    return "aborted" if isinstance(exc, CompileAborted) else "invalid"
+    return next((reason for kind, reason in _REASONS if isinstance(exc, kind)), "invalid")
 
 
 def _stop_all(workers: tuple[CompileWorker, ...]) -> None:

@@ -54,6 +54,21 @@ class StructuredOutputError(ValueError):
         self.param = param
 
 
+class CompileDeadline(StructuredOutputError):
+    """The compile used more than its deadline of CPU (its worker was killed); cached as the
+    compiler's own errors are."""
+
+
+class CompileCrashed(StructuredOutputError):
+    """The worker died compiling it: likely the constraint's doing, but not certainly (an
+    out-of-memory kill), so it is not cached."""
+
+
+class CompileAborted(StructuredOutputError):
+    """The server could not compile it now (a worker did not start, the compiler was shut
+    down, the machine too busy to give the compile its CPU): a 503, not cached."""
+
+
 class CompileQueueFull(Exception):
     """Too many compiles are waiting for a new one to be queued (the server answers 503)."""
 
