@@ -67,8 +67,8 @@ class GrammarCompiler:
         keeps at most ``cache_size`` grammars and ``cache_bytes`` of them (one constraint of the
         64 KiB allowed can compile to tens of MB: 3,000 regex alternatives took 21 MB).
         ``max_workers`` worker processes compile, each started on first need; a compile past
-        ``max_compile_seconds`` or ``max_compile_memory`` bytes is refused; one that serializes
-        to more than ``max_reply_bytes`` is compiled again here."""
+        ``max_compile_seconds`` of CPU or ``max_compile_memory`` bytes is refused; one that
+        serializes to more than ``max_reply_bytes`` is compiled again here."""
         import xgrammar as xgr
 
         info = xgr.TokenizerInfo.from_huggingface(
@@ -95,7 +95,7 @@ class GrammarCompiler:
         self._cache_bytes = cache_bytes
         self.on_compiled = on_compiled
         self.on_failed: Callable[[str], None] | None = None
-        """Called with why a compilation failed: invalid, deadline or aborted."""
+        """Called with why a compilation failed: invalid, deadline, crashed or aborted."""
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.disable_any_whitespace = disable_any_whitespace
