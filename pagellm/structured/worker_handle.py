@@ -5,9 +5,9 @@ working directory on its path), started on first use and asked one constraint at
 socket. The deadline counts the worker's CPU time, not the wall clock: it runs at a lower
 priority, so on a busy server a compile may wait without being expensive. Past the deadline in
 CPU the worker is killed and the constraint refused (``CompileDeadline``); a worker that keeps
-waiting for CPU past ``WALL_FACTOR`` times the deadline is killed too, and the compile is
-refused as the server's trouble (``CompileAborted``: retry later); one that dies mid-compile
-costs that constraint alone (``CompileCrashed``).
+waiting for CPU past ``WALL_FACTOR`` times the deadline (at least a minute) is killed too, and
+the compile is refused as the server's trouble (``CompileAborted``: retry later); one that
+dies mid-compile costs that constraint alone (``CompileCrashed``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ MAX_COMPILE_SECONDS = 10.0
 schemas take milliseconds, a schema pattern ``.{0,2000}`` ~2 s, nested repetitions
 ``(.{0,10}){0,10}`` ~30 s and more (Zen 4)."""
 WALL_FACTOR = 4.0
-"""A compile may wait this many times its deadline in wall time for its CPU time."""
+MIN_WALL_SECONDS = 60.0
+"""A compile may wait ``WALL_FACTOR`` times its deadline in wall time for its CPU time, and
+at least this long (a short deadline on a busy machine is still judged by CPU)."""
 START_SECONDS = 300.0
 """How long a new worker may take to be ready (it imports xgrammar and torch: seconds, more on
 a busy machine)."""
@@ -146,7 +148,7 @@ class CompileWorker:
                     f"the {kind} constraint is too expensive to compile: it took more than "
                     f"{timeout:g} s"
                 )
-            if wall > WALL_FACTOR * timeout:
+            if wall > max(WALL_FACTOR * timeout, MIN_WALL_SECONDS):
                 self._stop()
                 raise CompileAborted(
                     f"the server is too busy to compile the {kind} constraint now (it had "
