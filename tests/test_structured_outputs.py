@@ -343,6 +343,23 @@ def test_a_grammar_too_expensive_to_match_fails_alone(llm):
         structured.max_step_seconds = saved
 
 
+def test_a_bitmask_that_overruns_is_left_behind_and_fails_its_request_alone(llm):
+    """24 digits the compile worker's trial walk finds cheap, then a state whose one fill
+    takes seconds: the engine waits for it at most ``fill_timeout``, the request fails as a
+    bad request, the thread still filling is left behind, and the request beside it runs on."""
+    engine, structured = llm.engine, llm.engine.structured
+    before = structured.fills.abandoned
+    stall = constrained(0, 40, 0.0, regex="[0-9]{24}((.{0,6}){0,6}){0,6}")
+    engine.add_request("stall", "x", stall)
+    engine.add_request("plain", "y", greedy([40])[0])
+    finished = run_engine(engine)
+    assert finished["stall"].error_is_bad_request
+    assert "a bitmask took more than 0.25 s" in finished["stall"].error
+    assert re.fullmatch("[0-9]{24}", finished["stall"].outputs[0].text)  # then it stopped
+    assert structured.fills.abandoned == before + 1
+    assert finished["plain"].error is None and len(finished["plain"].outputs[0].token_ids) == 40
+
+
 def test_copies_past_the_step_budget_get_no_fill(llm, monkeypatch):
     """Once a step's fills of a request's copies pass the step's bound, its other copies are
     not filled (n costly fills would stall the step n times) and the request fails as a bad

@@ -335,7 +335,10 @@ class LLMEngine:
                 try:
                     item.token_bitmask = structured.bitmask(item.request_id, item.spec_token_ids)
                 except Exception as exc:  # noqa: BLE001 - this request's grammar: it fails alone
-                    failed[item.request_id] = f"structured output failed: {exc}"
+                    if (why := structured.over_budget(item.request_id)) is not None:
+                        over_budget[item.request_id] = why  # its fill overran: the client's
+                    else:
+                        failed[item.request_id] = f"structured output failed: {exc}"
                 filled += 1
         if filled:
             self.stats.structured_mask_seconds += self.clock() - start

@@ -25,6 +25,7 @@ import torch
 
 from pagellm.sampling.sampler import bitmask_allowed
 from pagellm.structured.compile_worker import MAX_COMPILE_MEMORY, MAX_REPLY_BYTES, build
+from pagellm.structured.fill_thread import FillThread, FillTimeout
 from pagellm.structured.params import (
     CompileAborted,
     CompileCrashed,
@@ -250,6 +251,9 @@ class _Budget:
     step_seconds: float = 0.0
     """Time taken in step ``step``."""
     slowest_step: float = 0.0
+    overran: float = 0.0
+    """A bitmask call's bound that one of its calls ran past (0: none did); its matcher was
+    left to the thread still running it."""
 
 
 @dataclass(slots=True)
@@ -277,9 +281,14 @@ class StructuredOutputManager:
         max_step_seconds: float = MAX_MATCH_STEP_SECONDS,
         max_seconds: float = MAX_MATCH_SECONDS,
         clock: Callable[[], float] = time.perf_counter,
+        fill_timeout: float = MAX_MATCH_STEP_SECONDS,
     ) -> None:
+        """``fill_timeout``: real seconds the engine waits for one sequence's bitmask rows
+        (``fill_thread``); past them its request fails and the thread is left behind."""
         self.compiler = compiler
         self.clock = clock
+        self.fill_timeout = fill_timeout
+        self.fills = FillThread()
         self.max_step_seconds = max_step_seconds
         self.max_seconds = max_seconds
         self.max_rollback = max_rollback
@@ -357,7 +366,16 @@ class StructuredOutputManager:
         proposed tokens were accepted. The proposal must be one ``allowed_proposal`` passed."""
         entry = self._entries[seq_id]
         start = self.clock()
-        matcher = entry.matcher
+        try:
+            rows = self.fills.run(lambda: self._fill(entry.matcher, proposal), self.fill_timeout)
+        except FillTimeout:
+            entry.budget.overran = self.fill_timeout  # its matcher stays with that thread
+            raise
+        finally:
+            self._charge(entry, self.clock() - start)
+        return rows
+
+    def _fill(self, matcher: Any, proposal: list[int]) -> torch.Tensor:
         rows = torch.empty((1 + len(proposal), self._words), dtype=torch.int32)
         accepted = 0
         for j in range(len(proposal) + 1):
@@ -368,7 +386,6 @@ class StructuredOutputManager:
                 accepted += 1
         if accepted:
             matcher.rollback(accepted)
-        self._charge(entry, self.clock() - start)
         return rows
 
     def accept(self, seq_id: str, tokens: list[int]) -> bool:
@@ -391,6 +408,11 @@ class StructuredOutputManager:
         """Why the grammar of this sequence's request costs too much to go on matching, or
         None."""
         budget = self._entries[seq_id].budget
+        if budget.overran:
+            return (
+                f"the grammar is too expensive to match: a bitmask took more than "
+                f"{budget.overran:g} s"
+            )
         if budget.slowest_step > self.max_step_seconds:
             return (
                 f"the grammar is too expensive to match: one step took "
