@@ -320,3 +320,25 @@ def test_a_grammar_too_expensive_to_match_is_refused_before_it_runs(tokenizer):
         compiler.compile_now(StructuredOutputsParams(regex=".{0,200}"))  # wide, but cheap
     finally:
         compiler.shutdown()
+
+
+def test_engine_shutdown_stops_compiles_queued_and_running(tiny_models):
+    """A server stopping with compiles queued must not work through them (each up to the
+    deadline) before its process can exit: the engine's shutdown cancels the queued ones and
+    kills the workers."""
+    from llm_helpers import tiny_llm
+
+    engine = tiny_llm(tiny_models).engine
+    compiler = engine.structured.compiler
+    running = compiler.compile(SLOW)
+    queued = [compiler.compile(StructuredOutputsParams(regex=f"{c}+")) for c in "abc"]
+    while not compiler.worker_pids():  # bounded by the test's timeout: a worker starts
+        time.sleep(0.05)
+    pids = compiler.worker_pids()
+    engine.shutdown()
+    for future in queued:  # cancelled, failed, or compiled before the shutdown
+        if not future.cancelled():
+            future.exception(timeout=300)
+    with pytest.raises(StructuredOutputError):  # killed, not left to run its 26 s
+        running.result(timeout=300)
+    assert not any(alive(pid) for pid in pids)

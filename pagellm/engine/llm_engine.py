@@ -62,6 +62,7 @@ class StructuredOutputs(Protocol):
     def accept(self, seq_id: str, tokens: list[int]) -> bool: ...
     def is_terminated(self, seq_id: str) -> bool: ...
     def over_budget(self, seq_id: str) -> str | None: ...
+    def shutdown(self) -> None: ...
 
 
 class TokenizerLike(Protocol):
@@ -156,10 +157,13 @@ class LLMEngine:
         return healthy() if healthy is not None else True
 
     def shutdown(self) -> None:
-        """Stop the executor's processes, if it has any."""
+        """Stop the executor's processes, if it has any, and the grammar compiler's (queued
+        compiles are dropped: they would hold the process's exit)."""
         stop = getattr(self.executor, "shutdown", None)
         if stop is not None:
             stop()
+        if self.structured is not None:
+            self.structured.shutdown()
 
     def add_request(
         self,

@@ -426,6 +426,11 @@ class StructuredOutputManager:
             )
         return None
 
+    def shutdown(self) -> None:
+        """Stop compiling (queued compiles are cancelled, workers killed) and filling."""
+        self.compiler.shutdown()
+        self.fills.close()
+
     def admitted(self, seq_id: str) -> GrammarOptions:
         """What the grammar admits as the sequence's next token, in its present state."""
         row = torch.empty((1, self._words), dtype=torch.int32)
