@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -183,3 +184,12 @@ def wait_idle(server: str, aborted_before: float, within: float = 5.0) -> dict[s
         if time.monotonic() > deadline:
             raise AssertionError(f"not idle with an abort within {within} s: {m}")
         time.sleep(0.05)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (a zombie counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

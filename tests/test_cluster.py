@@ -18,7 +18,7 @@ import sys
 import httpx
 import pytest
 import yaml
-from server_helpers import free_port, stream_outcome, wait_until
+from server_helpers import free_port, pid_alive, stream_outcome, wait_until
 
 # Ray maps 127.0.0.1 to the machine's outward address unless this marks the cluster as one
 # machine; set before Ray is imported, and inherited by its processes: all traffic on loopback.
@@ -215,20 +215,12 @@ def test_a_killed_controller_comes_back_with_its_gateway_and_replicas(ray_cluste
         assert "controller: restarted by Ray" in "\n".join(after["events"])
         assert int(_up(after)[0]["load"]["pid"]) != old_replica
         # Ray ends the replica the dead controller owned
-        wait_until(lambda: not _alive(old_replica), timeout=60, what="the old replica to end")
+        wait_until(lambda: not pid_alive(old_replica), timeout=60, what="the old replica to end")
     finally:
         with contextlib.suppress(api.ClusterError):
             api.down(config)
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{gateway}/health", timeout=2)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_ray_ranks_outside_a_cluster_get_a_placement_group_of_their_own(ray_cluster, tiny_models):

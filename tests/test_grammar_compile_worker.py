@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
+from server_helpers import pid_alive
 from transformers import AutoTokenizer
 
 from pagellm.structured.grammar import GrammarCompiler
@@ -41,14 +42,6 @@ def make_compiler(tokenizer, **kw) -> GrammarCompiler:
     return GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id], **kw)
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def accepts(compiler: GrammarCompiler, compiled, text: str, tokenizer) -> bool:
     matcher = compiler.matcher(compiled)
     return all(matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
@@ -64,7 +57,7 @@ def test_a_compile_past_the_deadline_is_refused_and_its_worker_killed(tokenizer)
         with pytest.raises(StructuredOutputError, match="too expensive to compile: it took more"):
             compiler.compile_now(SLOW)
         assert failures == ["deadline"]
-        assert not alive(first) and compiler.worker_pids() == []
+        assert not pid_alive(first) and compiler.worker_pids() == []
         letters = compiler.compile_now(StructuredOutputsParams(regex="[a-z]+"))  # a new worker
         assert accepts(compiler, letters, "abc", tokenizer)
         assert not accepts(compiler, letters, "123", tokenizer)
@@ -123,7 +116,7 @@ def test_a_slow_compile_holds_one_worker_and_others_compile_beside_it(tokenizer)
     finally:
         pids = compiler.worker_pids()
         compiler.shutdown()
-    assert pids and not any(alive(pid) for pid in pids)  # shutdown kills the workers
+    assert pids and not any(pid_alive(pid) for pid in pids)  # shutdown kills the workers
     with pytest.raises(StructuredOutputError):
         slow.result(timeout=300)
 
@@ -141,7 +134,7 @@ def test_compile_errors_keep_their_messages(tokenizer):
             with pytest.raises(StructuredOutputError, match=message):
                 compiler.compile_now(params)
         (pid,) = compiler.worker_pids()  # one worker served them all
-        assert alive(pid)
+        assert pid_alive(pid)
     finally:
         compiler.shutdown()
 
@@ -186,7 +179,7 @@ def test_a_worker_that_died_idle_is_replaced_before_the_next_compile(tokenizer):
         compiler.compile_now(DIGITS)
         (pid,) = compiler.worker_pids()
         os.kill(pid, signal.SIGKILL)
-        while alive(pid) and not _reaped(pid):
+        while pid_alive(pid) and not _reaped(pid):
             time.sleep(0.05)  # bounded by the test's timeout: a killed process ends
         compiled = compiler.compile_now(StructuredOutputsParams(regex="x+"))
         assert accepts(compiler, compiled, "xx", tokenizer)
@@ -341,4 +334,4 @@ def test_engine_shutdown_stops_compiles_queued_and_running(tiny_models):
             future.exception(timeout=300)
     with pytest.raises(StructuredOutputError):  # killed, not left to run its 26 s
         running.result(timeout=300)
-    assert not any(alive(pid) for pid in pids)
+    assert not any(pid_alive(pid) for pid in pids)
