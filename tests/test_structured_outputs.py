@@ -153,14 +153,14 @@ def test_a_grammar_that_fails_while_stepping_fails_its_request_alone(llm, monkey
     with the error, and the batch runs on."""
     engine = llm.engine
     structured = engine.structured
-    real = structured.bitmask
+    real = structured._fill_in_budget
 
-    def bitmask(seq_id, proposal):
+    def fill(seq_id, proposal):  # on the fill thread: its exception reaches the engine
         if seq_id.startswith("broken"):
             raise RuntimeError("grammar_matcher.cc: check failed")
         return real(seq_id, proposal)
 
-    monkeypatch.setattr(structured, "bitmask", bitmask)
+    monkeypatch.setattr(structured, "_fill_in_budget", fill)
     engine.add_request("broken", "x", constrained(0, 20, 0.0, regex="[ab]{1,20}"))
     engine.add_request("fine", "y", constrained(0, 20, 0.0, regex="[ab]{5}"))
     engine.add_request("plain", "z", greedy([6])[0])
@@ -370,10 +370,15 @@ def test_copies_past_the_step_budget_get_no_fill(llm, monkeypatch):
     monkeypatch.setattr(structured, "clock", lambda: next(ticks) / 1000)
     monkeypatch.setattr(structured, "max_step_seconds", 0.0025)
     fills = []
-    bitmask = structured.bitmask
-    monkeypatch.setattr(
-        structured, "bitmask", lambda seq, proposal: (fills.append(seq), bitmask(seq, proposal))[1]
-    )
+    fill = structured._fill_in_budget
+
+    def recorded(seq, proposal):
+        rows = fill(seq, proposal)
+        if rows is not None:  # None: skipped, past its budget
+            fills.append(seq)
+        return rows
+
+    monkeypatch.setattr(structured, "_fill_in_budget", recorded)
     engine = llm.engine
     engine.add_request("copies", "x", dataclasses.replace(constrained(0, 20, regex="[a-z]+"), n=4))
     engine.add_request("plain", "y", greedy([6])[0])
@@ -408,20 +413,24 @@ def test_a_requests_copies_share_its_matching_budget(llm):
 
     def step(seqs):
         manager.new_step()
+        rows = manager.bitmasks([(seq, []) for seq in seqs])
         for seq in seqs:
-            manager.bitmask(seq, [])
-            assert manager.accept(seq, [a])
+            if rows[seq] is not None:  # None: past its budget before the step, not filled
+                assert manager.accept(seq, [a])
+        return rows
 
-    step(["one", *copies])
+    assert None not in step(["one", *copies]).values()
     assert manager.over_budget("one") is None  # 2 ms a step
     for seq in copies:  # 4 x 2 ms in one step
         assert "one step took 0.01 s (at most 0.005 s" in manager.over_budget(seq)
+    assert step(copies) == dict.fromkeys(copies)  # past the budget: no more fills
     for _ in range(20):
-        step(["one"])
+        assert step(["one"])["one"] is not None
     assert manager.over_budget("one") is None  # 42 ms in all
     for _ in range(5):
         step(["one"])
     assert "0.1 s in all (at most 0.05 s)" in manager.over_budget("one")
+    assert step(["one"]) == {"one": None}
 
 
 def test_grammar_cache_is_bounded_by_bytes(llm):

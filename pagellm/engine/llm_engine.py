@@ -58,7 +58,7 @@ class StructuredOutputs(Protocol):
     def wait_any(self, seq_ids: list[str], timeout: float) -> None: ...
     def forget(self, seq_id: str) -> None: ...
     def allowed_proposal(self, seq_id: str, proposal: list[int]) -> int: ...
-    def bitmask(self, seq_id: str, proposal: list[int]) -> object: ...
+    def bitmasks(self, wanted: list[tuple[str, list[int]]]) -> dict[str, object]: ...
     def accept(self, seq_id: str, tokens: list[int]) -> bool: ...
     def is_terminated(self, seq_id: str) -> bool: ...
     def over_budget(self, seq_id: str) -> str | None: ...
@@ -318,36 +318,36 @@ class LLMEngine:
             return 0  # a copy of a request past its budget: no more checks this step
         return self.structured.allowed_proposal(seq_id, proposal)
 
-    def _attach_bitmasks(
-        self, sched: SchedulerOutput, over_budget: dict[str, str]
-    ) -> dict[str, str]:
-        """Each constrained sampling row's bitmask; returns the sequences whose grammar failed
-        to give one (seq id -> why): they fail alone after the step, and their row samples
-        unconstrained meanwhile (its tokens are dropped with the request). A sequence whose
-        request is already past its matching budget (a copy's fill this step, or a proposal
-        check) gets none: ``n`` costly fills would stall the step ``n`` times; it goes in
-        ``over_budget`` (seq id -> why), failed as a bad request."""
+    def _attach_bitmasks(self, sched: SchedulerOutput) -> tuple[dict[str, str], dict[str, str]]:
+        """Each constrained sampling row's bitmask, all filled in one handoff. Returns the
+        sequences whose grammar failed to give one (seq id -> why): they fail alone after the
+        step, and their row samples unconstrained meanwhile (its tokens are dropped with the
+        request); and those whose request is past its matching budget (a fill that overran, or
+        a copy's fill or a proposal check before it this step), failed as bad requests: a
+        sequence found past it gets no fill, since ``n`` costly fills would stall the step ``n``
+        times."""
         structured = self.structured
         if structured is None or not structured.active():
-            return {}
-        start, filled, failed = self.clock(), 0, {}
-        for item in sched.scheduled:
-            if item.sample and structured.has(item.request_id):
-                if (why := structured.over_budget(item.request_id)) is not None:
-                    over_budget[item.request_id] = why
-                    continue
-                try:
-                    item.token_bitmask = structured.bitmask(item.request_id, item.spec_token_ids)
-                except Exception as exc:  # noqa: BLE001 - this request's grammar: it fails alone
-                    if (why := structured.over_budget(item.request_id)) is not None:
-                        over_budget[item.request_id] = why  # its fill overran: the client's
-                    else:
-                        failed[item.request_id] = f"structured output failed: {exc}"
-                filled += 1
-        if filled:
-            self.stats.structured_mask_seconds += self.clock() - start
-            self.stats.structured_mask_steps += 1
-        return failed
+            return {}, {}
+        wanted = {
+            item.request_id: item
+            for item in sched.scheduled
+            if item.sample and structured.has(item.request_id)
+        }
+        if not wanted:
+            return {}, {}
+        start, failed, over_budget = self.clock(), {}, {}
+        filled = structured.bitmasks([(s, item.spec_token_ids) for s, item in wanted.items()])
+        for seq_id, rows in filled.items():
+            if rows is not None and not isinstance(rows, BaseException):
+                wanted[seq_id].token_bitmask = rows
+            elif (why := structured.over_budget(seq_id)) is not None:
+                over_budget[seq_id] = why  # skipped, or its fill overran: the client's grammar
+            else:
+                failed[seq_id] = f"structured output failed: {rows}"
+        self.stats.structured_mask_seconds += self.clock() - start
+        self.stats.structured_mask_steps += 1
+        return failed, over_budget
 
     def _advance_grammars(
         self,
@@ -482,8 +482,7 @@ class LLMEngine:
         if self.structured is not None:
             self.structured.new_step()  # the schedule's proposals count toward this step
         sched = self.scheduler.schedule()
-        over_budget: dict[str, str] = {}
-        mask_failed = self._attach_bitmasks(sched, over_budget)
+        mask_failed, over_budget = self._attach_bitmasks(sched)
         before_execute = self.clock()
         result = self.executor.execute(sched)
         self.stats.execute_seconds += self.clock() - before_execute

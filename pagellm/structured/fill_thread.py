@@ -3,9 +3,11 @@
 A bitmask fill's time does not follow anything checked before it: a grammar can force 24 cheap
 tokens and then reach a state whose one fill takes minutes (``[0-9]{24}((.{0,18}){0,18}){0,18}``
 took 138 s), past the compile worker's trial walk. xgrammar releases the GIL while it matches,
-so the engine hands each request's matching to a ``FillThread`` and waits at most a bound; past
-it the request fails, and the thread, still matching, is left to finish at the lowest priority
-(Linux: its own nice value) while a new thread takes the next requests.
+so the engine hands a step's matching to a ``FillThread`` as one batch of jobs (one per
+sequence) and bounds each job; past the bound that job fails, and the thread, still matching,
+is left to finish at the lowest priority (Linux: its own nice value) while a new thread takes
+the batch's remaining jobs. One handoff a step, not one a sequence: the engine thread sleeps
+until the batch is done, waking early only to look at a job that may have run past its bound.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 _LOG = logging.getLogger(__name__)
@@ -27,28 +30,56 @@ class FillTimeout(Exception):
     """The matching ran past its bound; the thread doing it was left behind."""
 
 
-class FillThread:
-    """One thread that runs matching jobs in turn, replaced when a job overruns."""
+@dataclass(slots=True)
+class _Batch:
+    """Jobs in flight on one thread. ``lock`` guards ``current``/``started``/``results``/
+    ``abandoned``: the engine thread reads them to judge the running job, the fill thread
+    writes them between jobs."""
 
-    def __init__(self) -> None:
+    jobs: list[Callable[[], Any]]
+    started: float
+    """When job ``current`` began (for job 0: when the batch was handed over)."""
+    current: int = 0
+    results: list[Any] = field(default_factory=list)
+    """Each finished job's result or exception, in order."""
+    abandoned: bool = False
+    """The engine gave up on job ``current``: the thread must drop its result and stop."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class FillThread:
+    """One thread that runs batches of matching jobs, replaced when a job overruns."""
+
+    def __init__(self, monotonic: Callable[[], float] = time.monotonic) -> None:
+        """``monotonic``: the real clock the bounds are judged by (the thread's waits use it
+        too, so it must be real time)."""
         self.abandoned = 0
         """Threads left behind so far (each was still matching when its bound passed)."""
+        self._monotonic = monotonic
         self._jobs: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
 
-    def run(self, job: Callable[[], Any], timeout: float) -> Any:
-        """``job()``'s result, run on the thread; FillTimeout if it takes over ``timeout``
-        seconds (the job's own exceptions are raised here)."""
+    def run_each(self, jobs: list[Callable[[], Any]], timeout: float) -> list[Any]:
+        """Run ``jobs`` in order on the thread; each one's result, or the exception it raised.
+        A job still running ``timeout`` seconds after it began gets a FillTimeout and ends the
+        list there (its thread is left behind): the caller decides what runs after it."""
+        if not jobs:
+            return []
         if self._jobs is None:
             self._start()
         assert self._jobs is not None
-        future: Future = Future()
-        self._jobs.put((job, future))
-        try:
-            return future.result(timeout)
-        except TimeoutError:
+        batch = _Batch(jobs, started=self._monotonic())
+        self._jobs.put(batch)
+        while not batch.done.wait(self._time_left(batch, timeout)):
+            with batch.lock:
+                if batch.done.is_set() or self._monotonic() - batch.started < timeout:
+                    continue  # finished meanwhile, or a later job is running: wait for it
+                batch.abandoned = True
+                results = [*batch.results, FillTimeout(f"matching took more than {timeout:g} s")]
             self._abandon()
-            raise FillTimeout(f"matching took more than {timeout:g} s") from None
+            return results
+        return batch.results
 
     def close(self) -> None:
         """Let the thread end once its queued jobs are done."""
@@ -56,11 +87,17 @@ class FillThread:
             self._jobs.put(None)
             self._jobs = self._thread = None
 
+    def _time_left(self, batch: _Batch, timeout: float) -> float:
+        with batch.lock:
+            started = batch.started
+        return max(0.0, started + timeout - self._monotonic())
+
     def _start(self) -> None:
         self._jobs = queue.SimpleQueue()
         self._thread = threading.Thread(
-            target=_serve, args=(self._jobs,), name="pagellm-grammar-fill", daemon=True
-        )
+            target=_serve, args=(self._jobs, self._monotonic), name="pagellm-grammar-fill",
+            daemon=True,
+        )  # fmt: skip
         self._thread.start()
 
     def _abandon(self) -> None:
@@ -73,10 +110,22 @@ class FillThread:
         _LOG.warning("grammar matching overran its bound; its thread is left to finish")
 
 
-def _serve(jobs: queue.SimpleQueue) -> None:
-    while (item := jobs.get()) is not None:
-        job, future = item
+def _serve(jobs: queue.SimpleQueue, monotonic: Callable[[], float]) -> None:
+    while (batch := jobs.get()) is not None:
+        _run_batch(batch, monotonic)
+
+
+def _run_batch(batch: _Batch, monotonic: Callable[[], float]) -> None:
+    for index, job in enumerate(batch.jobs):
         try:
-            future.set_result(job())
+            result = job()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting engine thread
-            future.set_exception(exc)
+            result = exc
+        with batch.lock:  # one update: job ``current`` is always the one running, or none is
+            if batch.abandoned:
+                return  # the engine has moved on without this job's result
+            batch.results.append(result)
+            if index + 1 < len(batch.jobs):
+                batch.current, batch.started = index + 1, monotonic()
+            else:
+                batch.done.set()

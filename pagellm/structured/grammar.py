@@ -11,6 +11,7 @@ proposal the grammar allows.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -360,20 +361,36 @@ class StructuredOutputManager:
         self._charge(entry, self.clock() - start)
         return n - ends
 
-    def bitmask(self, seq_id: str, proposal: list[int]) -> torch.Tensor:
-        """Allowed tokens of the next ``1 + len(proposal)`` rows, as int32 bitmask rows (bit
-        ``t % 32`` of word ``t // 32`` set when token t is allowed): row j as if the first j
-        proposed tokens were accepted. The proposal must be one ``allowed_proposal`` passed."""
+    def bitmasks(self, wanted: list[tuple[str, list[int]]]) -> dict[str, Any]:
+        """Bitmask rows for ``(seq_id, proposal)`` pairs, filled on the fill thread in one
+        handoff. Per sequence: the allowed tokens of its next ``1 + len(proposal)`` rows, as
+        int32 bitmask rows (bit ``t % 32`` of word ``t // 32`` set when token t is allowed; row
+        j as if the first j proposed tokens were accepted; the proposal must be one
+        ``allowed_proposal`` passed); or the exception its fill raised (FillTimeout past
+        ``fill_timeout``: its request is then over budget, and its matcher stays with the
+        thread left behind); or None when its request was already past its matching budget
+        (no fill: n copies of a costly grammar would stall the step n times)."""
+        filled: dict[str, Any] = {}
+        while wanted:
+            jobs = [functools.partial(self._fill_in_budget, *pair) for pair in wanted]
+            results = self.fills.run_each(jobs, self.fill_timeout)
+            for (seq_id, _), result in zip(wanted, results, strict=False):
+                filled[seq_id] = result
+                if isinstance(result, FillTimeout):
+                    self._entries[seq_id].budget.overran = self.fill_timeout
+            wanted = wanted[len(results) :]
+        return filled
+
+    def _fill_in_budget(self, seq_id: str, proposal: list[int]) -> torch.Tensor | None:
+        """On the fill thread: one sequence's rows, charged to its request's budget."""
         entry = self._entries[seq_id]
+        if self.over_budget(seq_id) is not None:
+            return None
         start = self.clock()
         try:
-            rows = self.fills.run(lambda: self._fill(entry.matcher, proposal), self.fill_timeout)
-        except FillTimeout:
-            entry.budget.overran = self.fill_timeout  # its matcher stays with that thread
-            raise
+            return self._fill(entry.matcher, proposal)
         finally:
             self._charge(entry, self.clock() - start)
-        return rows
 
     def _fill(self, matcher: Any, proposal: list[int]) -> torch.Tensor:
         rows = torch.empty((1 + len(proposal), self._words), dtype=torch.int32)

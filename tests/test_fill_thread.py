@@ -1,0 +1,75 @@
+"""The fill thread's batches: one handoff for a step's jobs, each job bounded on its own; an
+overrun ends the batch at that job and leaves its thread behind (a clock the jobs move)."""
+
+import threading
+
+from pagellm.structured.fill_thread import FillThread, FillTimeout
+
+
+class JobClock:
+    """The bounds' clock: moved only by the jobs below, so a test's outcome does not depend
+    on how fast the machine is."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_batch_runs_in_order_on_one_thread_and_returns_results_and_exceptions():
+    fills = FillThread()
+    seen = []
+
+    def job(value):
+        seen.append(threading.current_thread().name)
+        if value == "bad":
+            raise ValueError("bad row")
+        return value * 2
+
+    results = fills.run_each([lambda v=v: job(v) for v in (1, "bad", 3)], timeout=5.0)
+    assert results[0] == 2 and results[2] == 6
+    assert isinstance(results[1], ValueError)
+    assert seen == ["pagellm-grammar-fill"] * 3
+    assert fills.run_each([], timeout=5.0) == []
+    assert fills.abandoned == 0
+    fills.close()
+
+
+def test_each_job_has_its_own_bound_not_the_batch():
+    """Three jobs of 0.2 s each against a 0.25 s bound: 0.6 s in all, none past its own."""
+    clock = JobClock()
+    fills = FillThread(monotonic=clock)
+
+    def job(i):
+        clock.now += 0.2
+        return i
+
+    assert fills.run_each([lambda i=i: job(i) for i in range(3)], timeout=0.25) == [0, 1, 2]
+    assert fills.abandoned == 0
+    fills.close()
+
+
+def test_an_overrun_ends_the_batch_there_and_leaves_its_thread_behind():
+    clock, release, dropped = JobClock(), threading.Event(), []
+    fills = FillThread(monotonic=clock)
+
+    def stuck():
+        clock.now += 1.0  # past the bound at once, and it does not return until released
+        release.wait(60)
+        return "late"
+
+    jobs = [lambda: "first", stuck, lambda: dropped.append("ran") or "third"]
+    others = set(threading.enumerate())  # threads left by other tests may still be filling
+    results = fills.run_each(jobs, timeout=0.25)
+    assert results[0] == "first" and isinstance(results[1], FillTimeout) and len(results) == 2
+    assert fills.abandoned == 1
+    (left,) = set(threading.enumerate()) - others
+    assert left.is_alive()  # still stuck in its job
+    # the caller runs what came after on a new thread, while the old one is still stuck
+    assert fills.run_each(jobs[2:], timeout=0.25) == ["third"]
+    release.set()
+    left.join(60)
+    assert not left.is_alive()
+    assert dropped == ["ran"]  # only the new thread ran it: the old one stopped after "late"
+    fills.close()
