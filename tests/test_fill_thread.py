@@ -66,10 +66,11 @@ def test_an_overrun_ends_the_batch_there_and_leaves_its_thread_behind():
     assert fills.abandoned == 1
     (left,) = set(threading.enumerate()) - others
     assert left.is_alive()  # still stuck in its job
+    assert fills.left_running() == 1
     # the caller runs what came after on a new thread, while the old one is still stuck
     assert fills.run_each(jobs[2:], timeout=0.25) == ["third"]
     release.set()
     left.join(60)
-    assert not left.is_alive()
+    assert not left.is_alive() and fills.left_running() == 0
     assert dropped == ["ran"]  # only the new thread ran it: the old one stopped after "late"
     fills.close()

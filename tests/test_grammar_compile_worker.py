@@ -244,14 +244,22 @@ def _aborted(params, max_pending=None):
     return future
 
 
+def _never_called(params, max_pending=None):
+    raise AssertionError("refused before compiling")
+
+
 @pytest.mark.parametrize(
-    "compile, message",
-    [(_queue_full, "too many grammars waiting to compile"), (_aborted, "too busy to compile")],
-)
-def test_the_server_answers_503_with_retry_after_for_its_own_trouble(compile, message):
-    """The HTTP mapping: a full compile queue, or a compile the server could not run now (a
-    worker that did not start, a machine too busy), is a 503 the client may retry, not a 400
-    or a 500."""
+    "compile, left_running, message",
+    [(_queue_full, 0, "too many grammars waiting to compile"),
+     (_aborted, 7, "too busy to compile"),
+     (_never_called, 8, "8 grammar matches that overran their bound are still running")],
+)  # fmt: skip
+def test_the_server_answers_503_with_retry_after_for_its_own_trouble(
+    compile, left_running, message
+):
+    """The HTTP mapping: a full compile queue, a compile the server could not run now (a
+    worker that did not start, a machine too busy), or ``max_overrun_fills`` (8) fill threads
+    left behind still running, is a 503 the client may retry, not a 400 or a 500."""
     from types import SimpleNamespace
 
     from fakes import FakeTokenizer, make_engine
@@ -261,7 +269,10 @@ def test_the_server_answers_503_with_retry_after_for_its_own_trouble(compile, me
     from pagellm.server.app import ServerSettings, build_app
 
     engine, _ = make_engine()
-    engine.structured = SimpleNamespace(compiler=SimpleNamespace(compile=compile))
+    engine.structured = SimpleNamespace(
+        compiler=SimpleNamespace(compile=compile),
+        fills=SimpleNamespace(left_running=lambda: left_running),
+    )
     app = build_app(AsyncLLMEngine(engine), FakeTokenizer(), ServerSettings("m", 128))
     body = {"prompt": [5, 6], "max_tokens": 2, "structured_outputs": {"regex": "[0-9]+"}}
     with TestClient(app, raise_server_exceptions=False) as client:

@@ -85,6 +85,11 @@ class ServerSettings:
     max_pending_compiles: int = 64
     """Grammars queued or compiling; a request with a new constraint past it gets 503 with
     Retry-After (each compile may take up to the compile deadline on one of two workers)."""
+    max_overrun_fills: int = 8
+    """Threads left behind by grammars whose matching overran its bound, still running: while
+    this many run, requests with a constraint get 503 with Retry-After. Each burns CPU at the
+    lowest priority until its one fill ends (minutes for the worst grammars), so without a
+    bound a client sending such grammars would take the engine's CPU a thread at a time."""
     disable_ui: bool = False
     """No web console at /ui (``--disable-ui``)."""
     enable_auto_tool_choice: bool = False
@@ -469,6 +474,10 @@ class _Context:
         structured = getattr(self.front.engine, "structured", None)
         if structured is None:
             raise APIError(400, "structured outputs are not available on this server", param=param)
+        if (left := structured.fills.left_running()) >= self.settings.max_overrun_fills:
+            log.warning("refusing a constraint: %d grammar matches that overran still run", left)
+            raise APIError(503, f"the server is busy: {left} grammar matches that overran "
+                           "their bound are still running", **_RETRY)  # fmt: skip
         limit = self.settings.max_pending_compiles
         try:
             future = structured.compiler.compile(constraint, max_pending=limit)

@@ -56,6 +56,8 @@ class FillThread:
         too, so it must be real time)."""
         self.abandoned = 0
         """Threads left behind so far (each was still matching when its bound passed)."""
+        self._left: list[threading.Thread] = []
+        self._left_lock = threading.Lock()  # the server counts them from its own thread
         self._monotonic = monotonic
         self._jobs: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
@@ -81,6 +83,13 @@ class FillThread:
             return results
         return batch.results
 
+    def left_running(self) -> int:
+        """How many threads left behind are still matching (each until its one fill ends, at
+        the lowest priority: minutes for the worst grammars)."""
+        with self._left_lock:
+            self._left = [thread for thread in self._left if thread.is_alive()]
+            return len(self._left)
+
     def close(self) -> None:
         """Let the thread end once its queued jobs are done."""
         if self._jobs is not None:
@@ -104,8 +113,10 @@ class FillThread:
         thread = self._thread
         self.close()
         self.abandoned += 1
-        if thread is not None and thread.native_id is not None:
-            with contextlib.suppress(OSError, AttributeError):  # per-thread nice: Linux
+        if thread is not None:
+            with self._left_lock:
+                self._left.append(thread)
+            with contextlib.suppress(OSError, TypeError, AttributeError):  # per-thread nice: Linux
                 os.setpriority(os.PRIO_PROCESS, thread.native_id, _LOWEST_PRIORITY)
         _LOG.warning("grammar matching overran its bound; its thread is left to finish")
 
