@@ -52,8 +52,8 @@ class FillThread:
     """One thread that runs batches of matching jobs, replaced when a job overruns."""
 
     def __init__(self, monotonic: Callable[[], float] = time.monotonic) -> None:
-        """``monotonic``: the real clock the bounds are judged by (the thread's waits use it
-        too, so it must be real time)."""
+        """``monotonic``: the clock the bounds are judged by; the engine thread waits the
+        seconds it says are left as real seconds (tests pass one their jobs move)."""
         self.abandoned = 0
         """Threads left behind so far (each was still matching when its bound passed)."""
         self._left: list[threading.Thread] = []
