@@ -1,6 +1,7 @@
 """The fill thread's batches: one handoff for a step's jobs, each job bounded on its own; an
 overrun ends the batch at that job and leaves its thread behind (a clock the jobs move)."""
 
+import os
 import threading
 
 from pagellm.structured.fill_thread import FillThread, FillTimeout
@@ -67,6 +68,8 @@ def test_an_overrun_ends_the_batch_there_and_leaves_its_thread_behind():
     (left,) = set(threading.enumerate()) - others
     assert left.is_alive()  # still stuck in its job
     assert fills.left_running() == 1
+    if hasattr(os, "sched_getscheduler"):  # Linux: it runs only on CPU nothing else wants
+        assert os.sched_getscheduler(left.native_id) == os.SCHED_IDLE
     # the caller runs what came after on a new thread, while the old one is still stuck
     assert fills.run_each(jobs[2:], timeout=0.25) == ["third"]
     release.set()

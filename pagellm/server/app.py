@@ -89,7 +89,9 @@ class ServerSettings:
     """Threads left behind by grammars whose matching overran its bound, still running: while
     this many run, requests with a constraint get 503 with Retry-After. Each burns CPU at the
     lowest priority until its one fill ends (minutes for the worst grammars), so without a
-    bound a client sending such grammars would take the engine's CPU a thread at a time."""
+    bound a client sending such grammars would take the engine's CPU a thread at a time. It is
+    checked as a request arrives: constrained requests admitted together before any of them
+    overran may each leave one more (a burst; per-key limits at the gateway bound a client's)."""
     disable_ui: bool = False
     """No web console at /ui (``--disable-ui``)."""
     enable_auto_tool_choice: bool = False

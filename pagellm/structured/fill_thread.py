@@ -5,9 +5,10 @@ tokens and then reach a state whose one fill takes minutes (``[0-9]{24}((.{0,18}
 took 138 s), past the compile worker's trial walk. xgrammar releases the GIL while it matches,
 so the engine hands a step's matching to a ``FillThread`` as one batch of jobs (one per
 sequence) and bounds each job; past the bound that job fails, and the thread, still matching,
-is left to finish at the lowest priority (Linux: its own nice value) while a new thread takes
-the batch's remaining jobs. One handoff a step, not one a sequence: the engine thread sleeps
-until the batch is done, waking early only to look at a job that may have run past its bound.
+is left to finish at the lowest priority (Linux: SCHED_IDLE for that thread) while a new
+thread takes the batch's remaining jobs. One handoff a step, not one a sequence: the engine
+thread sleeps until the batch is done, waking early only to look at a job that may have run
+past its bound.
 """
 
 from __future__ import annotations
@@ -116,9 +117,22 @@ class FillThread:
         if thread is not None:
             with self._left_lock:
                 self._left.append(thread)
-            with contextlib.suppress(OSError, TypeError, AttributeError):  # per-thread nice: Linux
-                os.setpriority(os.PRIO_PROCESS, thread.native_id, _LOWEST_PRIORITY)
+            if thread.is_alive():  # else its id may already be another thread's
+                _lowest_priority(thread.native_id)
         _LOG.warning("grammar matching overran its bound; its thread is left to finish")
+
+
+def _lowest_priority(thread_id: int | None) -> None:
+    """Let a thread run only on CPU nothing else wants (Linux, per thread): SCHED_IDLE, whose
+    weight is a fifth of nice 19's, so threads left behind by a burst of costly grammars take
+    little from the engine; nice 19 where SCHED_IDLE cannot be set."""
+    if thread_id is None:
+        return
+    try:
+        os.sched_setscheduler(thread_id, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError):
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, thread_id, _LOWEST_PRIORITY)
 
 
 def _serve(jobs: queue.SimpleQueue, monotonic: Callable[[], float]) -> None:
