@@ -68,6 +68,7 @@ def test_an_overrun_ends_the_batch_there_and_leaves_its_thread_behind():
     (left,) = set(threading.enumerate()) - others
     assert left.is_alive()  # still stuck in its job
     assert fills.left_running() == 1
+    assert _metrics(fills) == {"overruns": 1.0, "left": 1.0}
     if hasattr(os, "sched_getscheduler"):  # Linux: it runs only on CPU nothing else wants
         assert os.sched_getscheduler(left.native_id) == os.SCHED_IDLE
     # the caller runs what came after on a new thread, while the old one is still stuck
@@ -75,5 +76,23 @@ def test_an_overrun_ends_the_batch_there_and_leaves_its_thread_behind():
     release.set()
     left.join(60)
     assert not left.is_alive() and fills.left_running() == 0
+    assert _metrics(fills) == {"overruns": 1.0, "left": 0.0}
     assert dropped == ["ran"]  # only the new thread ran it: the old one stopped after "late"
     fills.close()
+
+
+def _metrics(fills: FillThread) -> dict[str, float]:
+    """What /metrics shows of these fills (the server registers the same collector)."""
+    from prometheus_client import CollectorRegistry
+
+    from pagellm.server.metrics import FillThreadCollector
+
+    registry = CollectorRegistry()
+    registry.register(FillThreadCollector(fills, "m"))
+    label = {"model_name": "m"}
+    return {
+        "overruns": registry.get_sample_value(
+            "pagellm:structured_output_match_overruns_total", label
+        ),
+        "left": registry.get_sample_value("pagellm:structured_output_fill_threads_left", label),
+    }

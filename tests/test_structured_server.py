@@ -301,5 +301,9 @@ def test_metrics_count_kinds_and_compile_times(client, server):
         if k.startswith("pagellm:structured_output_compile_failures_total")
     }  # fmt: skip
     assert (
-        len(failures) == 3 and failures[next(k for k in failures if 'reason="invalid"' in k)] >= 1
+        len(failures) == 4 and failures[next(k for k in failures if 'reason="invalid"' in k)] >= 1
     )
+    m = metrics(server)
+    label = f'{{model_name="{MODEL_NAME}"}}'  # none of this module's grammars overruns
+    assert m[f"pagellm:structured_output_match_overruns_total{label}"] == 0
+    assert m[f"pagellm:structured_output_fill_threads_left{label}"] == 0

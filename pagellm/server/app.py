@@ -37,6 +37,7 @@ from pagellm.engine.sampling_params import ParamError, SamplingParams
 from pagellm.server.chat_tools import ChoiceCalls, ToolPlan, plan_tools
 from pagellm.server.errors import APIError, body_timeout, error_body, error_response, quoted_name
 from pagellm.server.metrics import (
+    FillThreadCollector,
     RequestLatencies,
     grammar_compile_histogram,
     grammar_failure_counter,
@@ -123,6 +124,7 @@ def build_app(front: AsyncLLMEngine, tokenizer: Any, settings: ServerSettings) -
     if structured is not None:
         structured.compiler.on_compiled = grammar_compile_histogram(registry, settings.model_name)
         structured.compiler.on_failed = grammar_failure_counter(registry, settings.model_name)
+        registry.register(FillThreadCollector(structured.fills, settings.model_name))
 
     @app.get("/metrics")
     async def metrics() -> Response:

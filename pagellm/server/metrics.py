@@ -176,6 +176,34 @@ class ThreadCpuCollector(Collector):
             yield c
 
 
+class FillThreadCollector(Collector):
+    """Grammar matching that ran past its bound (``pagellm.structured.fill_thread``): how many
+    fills overran (each failed its request and left its thread behind), and how many of those
+    threads still run (while ``max_overrun_fills`` do, constrained requests get 503)."""
+
+    def __init__(self, fills: Any, model_name: str) -> None:
+        """``fills``: the engine's ``FillThread`` (``abandoned``, ``left_running()``)."""
+        self.fills = fills
+        self.labels = {"model_name": model_name}
+
+    def collect(self) -> Iterator[Metric]:
+        overruns = CounterMetricFamily(
+            "pagellm:structured_output_match_overruns",
+            "Structured-output bitmask fills that ran past their bound (each failed its "
+            "request and left its thread behind).",
+            labels=list(self.labels),
+        )
+        overruns.add_metric(list(self.labels.values()), self.fills.abandoned)
+        yield overruns
+        left = GaugeMetricFamily(
+            "pagellm:structured_output_fill_threads_left",
+            "Threads left behind by overrunning fills that are still running.",
+            labels=list(self.labels),
+        )
+        left.add_metric(list(self.labels.values()), self.fills.left_running())
+        yield left
+
+
 def make_registry(
     stats: EngineStats, model_name: str, engine_thread_cpu: Callable[[], float] | None = None
 ) -> CollectorRegistry:
@@ -230,8 +258,10 @@ def grammar_compile_histogram(registry: CollectorRegistry, model_name: str) -> C
 
 def grammar_failure_counter(registry: CollectorRegistry, model_name: str) -> Callable:
     """``count(reason)`` of compilations that ended without a grammar: ``invalid`` (the
-    compiler's error), ``deadline`` (worker killed past the compile deadline), ``aborted``
-    (worker crashed, did not start, or the server shut it down)."""
+    compiler's error), ``deadline`` (worker killed past the compile deadline), ``crashed`` (the
+    worker died on the constraint), ``aborted`` (a worker that did not start, a machine too
+    busy, a grammar that could not be read back, or the server shut it down). Every reason's
+    series exists from the start, at 0."""
     from prometheus_client import Counter
 
     c = Counter(
@@ -240,7 +270,7 @@ def grammar_failure_counter(registry: CollectorRegistry, model_name: str) -> Cal
         ["model_name", "reason"],
         registry=registry,
     )
-    for reason in ("invalid", "deadline", "aborted"):
+    for reason in ("invalid", "deadline", "crashed", "aborted"):
         c.labels(model_name, reason)
     return lambda reason: c.labels(model_name, reason).inc()
 
