@@ -3,8 +3,11 @@ overrun ends the batch at that job and leaves its thread behind (a clock the job
 
 import os
 import threading
+import time
 
 from pagellm.structured.fill_thread import FillThread, FillTimeout
+
+FILL_THREAD = "pagellm-grammar-fill"
 
 
 class JobClock:
@@ -31,19 +34,22 @@ def test_a_batch_runs_in_order_on_one_thread_and_returns_results_and_exceptions(
     results = fills.run_each([lambda v=v: job(v) for v in (1, "bad", 3)], timeout=5.0)
     assert results[0] == 2 and results[2] == 6
     assert isinstance(results[1], ValueError)
-    assert seen == ["pagellm-grammar-fill"] * 3
+    assert seen == [FILL_THREAD] * 3
     assert fills.run_each([], timeout=5.0) == []
     assert fills.abandoned == 0
     fills.close()
 
 
 def test_each_job_has_its_own_bound_not_the_batch():
-    """Three jobs of 0.2 s each against a 0.25 s bound: 0.6 s in all, none past its own."""
+    """Three jobs of 0.2 s each by the bounds' clock against a 0.25 s bound: 0.6 s in all,
+    none past its own. Each also sleeps 0.2 s of real time, so the engine thread wakes (after
+    0.25 s) while the batch still runs and judges the job running then."""
     clock = JobClock()
     fills = FillThread(monotonic=clock)
 
     def job(i):
         clock.now += 0.2
+        time.sleep(0.2)
         return i
 
     assert fills.run_each([lambda i=i: job(i) for i in range(3)], timeout=0.25) == [0, 1, 2]
@@ -62,18 +68,20 @@ def test_an_overrun_ends_the_batch_there_and_leaves_its_thread_behind():
 
     jobs = [lambda: "first", stuck, lambda: dropped.append("ran") or "third"]
     others = set(threading.enumerate())  # threads left by other tests may still be filling
-    results = fills.run_each(jobs, timeout=0.25)
-    assert results[0] == "first" and isinstance(results[1], FillTimeout) and len(results) == 2
-    assert fills.abandoned == 1
-    (left,) = set(threading.enumerate()) - others
-    assert left.is_alive()  # still stuck in its job
-    assert fills.left_running() == 1
-    assert _metrics(fills) == {"overruns": 1.0, "left": 1.0}
-    if hasattr(os, "sched_getscheduler"):  # Linux: it runs only on CPU nothing else wants
-        assert os.sched_getscheduler(left.native_id) == os.SCHED_IDLE
-    # the caller runs what came after on a new thread, while the old one is still stuck
-    assert fills.run_each(jobs[2:], timeout=0.25) == ["third"]
-    release.set()
+    try:
+        results = fills.run_each(jobs, timeout=0.25)
+        assert results[0] == "first" and isinstance(results[1], FillTimeout)
+        assert len(results) == 2 and fills.abandoned == 1
+        (left,) = [t for t in set(threading.enumerate()) - others if t.name == FILL_THREAD]
+        assert left.is_alive()  # still stuck in its job
+        assert fills.left_running() == 1
+        assert _metrics(fills) == {"overruns": 1.0, "left": 1.0}
+        if hasattr(os, "getpriority"):  # Linux: that thread alone at the lowest priority
+            assert os.getpriority(os.PRIO_PROCESS, left.native_id) == 19
+        # the caller runs what came after on a new thread, while the old one is still stuck
+        assert fills.run_each(jobs[2:], timeout=0.25) == ["third"]
+    finally:
+        release.set()
     left.join(60)
     assert not left.is_alive() and fills.left_running() == 0
     assert _metrics(fills) == {"overruns": 1.0, "left": 0.0}

@@ -431,6 +431,7 @@ def test_a_requests_copies_share_its_matching_budget(llm):
         step(["one"])
     assert "0.1 s in all (at most 0.05 s)" in manager.over_budget("one")
     assert step(["one"]) == {"one": None}
+    manager.fills.close()  # not shutdown(): the compiler is the module's engine's
 
 
 def test_grammar_cache_is_bounded_by_bytes(llm):

@@ -319,7 +319,7 @@ class LLMEngine:
         return self.structured.allowed_proposal(seq_id, proposal)
 
     def _attach_bitmasks(self, sched: SchedulerOutput) -> tuple[dict[str, str], dict[str, str]]:
-        """Each constrained sampling row's bitmask, all filled in one handoff. Returns the
+        """Each constrained sampling row's bitmask, filled in one handoff a step. Returns the
         sequences whose grammar failed to give one (seq id -> why): they fail alone after the
         step, and their row samples unconstrained meanwhile (its tokens are dropped with the
         request); and those whose request is past its matching budget (a fill that overran, or
@@ -329,24 +329,29 @@ class LLMEngine:
         structured = self.structured
         if structured is None or not structured.active():
             return {}, {}
-        wanted = {
-            item.request_id: item
-            for item in sched.scheduled
-            if item.sample and structured.has(item.request_id)
-        }
-        if not wanted:
-            return {}, {}
         start, failed, over_budget = self.clock(), {}, {}
+        wanted = {}
+        for item in sched.scheduled:
+            if item.sample and structured.has(item.request_id):
+                if (why := structured.over_budget(item.request_id)) is not None:
+                    over_budget[item.request_id] = why  # past it already (a proposal check)
+                else:
+                    wanted[item.request_id] = item
+        if not wanted:
+            return failed, over_budget
         filled = structured.bitmasks([(s, item.spec_token_ids) for s, item in wanted.items()])
+        rows_filled = 0
         for seq_id, rows in filled.items():
             if rows is not None and not isinstance(rows, BaseException):
                 wanted[seq_id].token_bitmask = rows
+                rows_filled += 1
             elif (why := structured.over_budget(seq_id)) is not None:
                 over_budget[seq_id] = why  # skipped, or its fill overran: the client's grammar
             else:
                 failed[seq_id] = f"structured output failed: {rows}"
-        self.stats.structured_mask_seconds += self.clock() - start
-        self.stats.structured_mask_steps += 1
+        if rows_filled:
+            self.stats.structured_mask_seconds += self.clock() - start
+            self.stats.structured_mask_steps += 1
         return failed, over_budget
 
     def _advance_grammars(

@@ -5,10 +5,10 @@ tokens and then reach a state whose one fill takes minutes (``[0-9]{24}((.{0,18}
 took 138 s), past the compile worker's trial walk. xgrammar releases the GIL while it matches,
 so the engine hands a step's matching to a ``FillThread`` as one batch of jobs (one per
 sequence) and bounds each job; past the bound that job fails, and the thread, still matching,
-is left to finish at the lowest priority (Linux: SCHED_IDLE for that thread) while a new
-thread takes the batch's remaining jobs. One handoff a step, not one a sequence: the engine
-thread sleeps until the batch is done, waking early only to look at a job that may have run
-past its bound.
+is left to finish at the lowest priority (Linux: nice 19 for that thread) while a new thread
+takes the batch's remaining jobs. One handoff a step, not one a sequence: the engine thread
+sleeps until the batch is done, waking early only to look at a job that may have run past its
+bound.
 """
 
 from __future__ import annotations
@@ -33,18 +33,18 @@ class FillTimeout(Exception):
 
 @dataclass(slots=True)
 class _Batch:
-    """Jobs in flight on one thread. ``lock`` guards ``current``/``started``/``results``/
-    ``abandoned``: the engine thread reads them to judge the running job, the fill thread
-    writes them between jobs."""
+    """Jobs in flight on one thread. ``lock`` guards ``started``, ``results`` and
+    ``abandoned``: the fill thread appends a result and starts the next job's time in one
+    update, so the running job is always ``results``' length; the engine thread reads them to
+    judge that job and sets ``abandoned`` when it gives up on it."""
 
     jobs: list[Callable[[], Any]]
     started: float
-    """When job ``current`` began (for job 0: when the batch was handed over)."""
-    current: int = 0
+    """When the running job began (for job 0: when the batch was handed over)."""
     results: list[Any] = field(default_factory=list)
     """Each finished job's result or exception, in order."""
     abandoned: bool = False
-    """The engine gave up on job ``current``: the thread must drop its result and stop."""
+    """The engine gave up on the running job: the thread must drop its result and stop."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -60,7 +60,7 @@ class FillThread:
         self._left: list[threading.Thread] = []
         self._left_lock = threading.Lock()  # the server counts them from its own thread
         self._monotonic = monotonic
-        self._jobs: queue.SimpleQueue | None = None
+        self._jobs: queue.SimpleQueue[_Batch | None] | None = None
         self._thread: threading.Thread | None = None
 
     def run_each(self, jobs: list[Callable[[], Any]], timeout: float) -> list[Any]:
@@ -71,16 +71,19 @@ class FillThread:
             return []
         if self._jobs is None:
             self._start()
-        assert self._jobs is not None
-        batch = _Batch(jobs, started=self._monotonic())
+        assert self._jobs is not None and self._thread is not None
+        batch, thread = _Batch(jobs, started=self._monotonic()), self._thread
         self._jobs.put(batch)
         while not batch.done.wait(self._time_left(batch, timeout)):
             with batch.lock:
                 if batch.done.is_set() or self._monotonic() - batch.started < timeout:
                     continue  # finished meanwhile, or a later job is running: wait for it
                 batch.abandoned = True
+                # still in its job (it cannot leave the batch without this lock), so its
+                # thread id is still its own
+                _lowest_priority(thread.native_id)
                 results = [*batch.results, FillTimeout(f"matching took more than {timeout:g} s")]
-            self._abandon()
+            self._abandon(thread)
             return results
         return batch.results
 
@@ -110,32 +113,24 @@ class FillThread:
         )  # fmt: skip
         self._thread.start()
 
-    def _abandon(self) -> None:
-        thread = self._thread
+    def _abandon(self, thread: threading.Thread) -> None:
         self.close()
         self.abandoned += 1
-        if thread is not None:
-            with self._left_lock:
-                self._left.append(thread)
-            if thread.is_alive():  # else its id may already be another thread's
-                _lowest_priority(thread.native_id)
+        with self._left_lock:  # pruned here too: the offline LLM never asks left_running()
+            self._left = [t for t in self._left if t.is_alive()] + [thread]
         _LOG.warning("grammar matching overran its bound; its thread is left to finish")
 
 
 def _lowest_priority(thread_id: int | None) -> None:
-    """Let a thread run only on CPU nothing else wants (Linux, per thread): SCHED_IDLE, whose
-    weight is a fifth of nice 19's, so threads left behind by a burst of costly grammars take
-    little from the engine; nice 19 where SCHED_IDLE cannot be set."""
-    if thread_id is None:
-        return
-    try:
-        os.sched_setscheduler(thread_id, os.SCHED_IDLE, os.sched_param(0))
-    except (OSError, AttributeError):
+    """Nice 19 for one thread (Linux). Not SCHED_IDLE: the thread takes the GIL back for a
+    moment when its fill ends, and a SCHED_IDLE thread preempted then on busy cores could keep
+    the engine thread waiting for the GIL far longer."""
+    if thread_id is not None:
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, thread_id, _LOWEST_PRIORITY)
 
 
-def _serve(jobs: queue.SimpleQueue, monotonic: Callable[[], float]) -> None:
+def _serve(jobs: queue.SimpleQueue[_Batch | None], monotonic: Callable[[], float]) -> None:
     while (batch := jobs.get()) is not None:
         _run_batch(batch, monotonic)
 
@@ -146,11 +141,11 @@ def _run_batch(batch: _Batch, monotonic: Callable[[], float]) -> None:
             result = job()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting engine thread
             result = exc
-        with batch.lock:  # one update: job ``current`` is always the one running, or none is
+        with batch.lock:  # one update: the running job is always len(results), or none is
             if batch.abandoned:
                 return  # the engine has moved on without this job's result
             batch.results.append(result)
             if index + 1 < len(batch.jobs):
-                batch.current, batch.started = index + 1, monotonic()
+                batch.started = monotonic()
             else:
                 batch.done.set()

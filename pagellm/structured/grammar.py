@@ -273,7 +273,10 @@ MAX_MATCH_SECONDS = 10.0
 
 
 class StructuredOutputManager:
-    """Per-sequence grammar state for the engine (which calls it from its one thread)."""
+    """Per-sequence grammar state for the engine. The engine calls it from its one thread;
+    ``bitmasks`` runs its jobs (``_fill_in_budget``: budget checks and charges) on the fill
+    thread while the engine thread waits, and a job left behind there charges only its own
+    request's budget, a request already failed."""
 
     def __init__(
         self,
@@ -363,7 +366,7 @@ class StructuredOutputManager:
 
     def bitmasks(self, wanted: list[tuple[str, list[int]]]) -> dict[str, Any]:
         """Bitmask rows for ``(seq_id, proposal)`` pairs, filled on the fill thread in one
-        handoff. Per sequence: the allowed tokens of its next ``1 + len(proposal)`` rows, as
+        handoff (another after each overrun). Per sequence: the allowed tokens of its next ``1 + len(proposal)`` rows, as
         int32 bitmask rows (bit ``t % 32`` of word ``t // 32`` set when token t is allowed; row
         j as if the first j proposed tokens were accepted; the proposal must be one
         ``allowed_proposal`` passed); or the exception its fill raised (FillTimeout past
@@ -382,15 +385,16 @@ class StructuredOutputManager:
         return filled
 
     def _fill_in_budget(self, seq_id: str, proposal: list[int]) -> torch.Tensor | None:
-        """On the fill thread: one sequence's rows, charged to its request's budget."""
-        entry = self._entries[seq_id]
+        """On the fill thread: one sequence's rows, charged to its request's budget; None
+        when the request is already past it (not filled)."""
+        entry, clock = self._entries[seq_id], self.clock  # the clock of the step it began in
         if self.over_budget(seq_id) is not None:
             return None
-        start = self.clock()
+        start = clock()
         try:
             return self._fill(entry.matcher, proposal)
         finally:
-            self._charge(entry, self.clock() - start)
+            self._charge(entry, clock() - start)
 
     def _fill(self, matcher: Any, proposal: list[int]) -> torch.Tensor:
         rows = torch.empty((1 + len(proposal), self._words), dtype=torch.int32)
