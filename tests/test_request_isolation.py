@@ -75,6 +75,29 @@ def test_vocabulary_bounds_are_the_engines():
     assert not engine.has_unfinished_requests()
 
 
+def test_allowed_tokens_that_min_tokens_bans_are_refused():
+    """min_tokens bans the stop tokens and EOS until it is reached: allowed_token_ids holding
+    only those would leave no token to sample (the row all -inf, and token 0 came out)."""
+    engine, _ = make_engine()
+    eos = engine.tokenizer.eos_token_id
+    for params in (
+        SamplingParams(min_tokens=3, allowed_token_ids=[40], stop_token_ids=[40]),
+        SamplingParams(min_tokens=1, allowed_token_ids=[eos]),
+        SamplingParams(min_tokens=2, allowed_token_ids=[eos, 7], stop_token_ids=[7]),
+    ):
+        with pytest.raises(ParamError, match="min_tokens") as info:
+            engine.add_request("r", [5], params)
+        assert info.value.param == "allowed_token_ids"
+    assert not engine.has_unfinished_requests()
+    for i, fine in enumerate((
+        SamplingParams(min_tokens=3, allowed_token_ids=[40, 41], stop_token_ids=[40]),
+        SamplingParams(min_tokens=0, allowed_token_ids=[eos]),
+        SamplingParams(allowed_token_ids=[40], stop_token_ids=[40]),
+    )):  # fmt: skip
+        engine.add_request(f"fine-{i}", [5], fine)
+    assert engine.has_unfinished_requests()
+
+
 class _FailingRunner(FakeRunner):
     """Reports request ``victim``'s sampling as failed at its ``at``-th token."""
 

@@ -28,7 +28,7 @@ from pagellm.engine.outputs import (
     TokenLogprobs,
 )
 from pagellm.engine.request import FinishReason, Request, RequestStatus
-from pagellm.engine.sampling_params import SamplingParams
+from pagellm.engine.sampling_params import ParamError, SamplingParams
 from pagellm.engine.scheduler import Scheduler
 from pagellm.spec.settings import spec_settings
 from pagellm.structured.params import StructuredOutputError
@@ -395,6 +395,16 @@ class LLMEngine:
         ParamError. ``SamplingParams`` checked the rest when it was made (not again here: this
         runs in the engine thread for every request)."""
         params.check_vocab(self.vocab_size)
+        if params.allowed_token_ids and params.min_tokens > 0:
+            # min_tokens bans the stop tokens and EOS until it is reached; were those all the
+            # allowed tokens, no token would be left to sample (the row all -inf)
+            stops = {*params.stop_token_ids, self.tokenizer.eos_token_id}
+            if stops.issuperset(params.allowed_token_ids):
+                raise ParamError(
+                    "allowed_token_ids",
+                    f"holds only stop tokens (stop_token_ids or end-of-sequence), which "
+                    f"min_tokens={params.min_tokens} keeps from being sampled",
+                )
 
     def check_priority(self, priority: int) -> None:
         """As vLLM: a non-zero priority is an error unless the policy uses it."""
