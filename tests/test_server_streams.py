@@ -154,6 +154,9 @@ def test_echo_is_refused_clearly(server):
     [
         ("completions", "suffix", "end"),
         ("completions", "best_of", 3),
+        ("completions", "best_of", 0),
+        ("completions", "best_of", -5),
+        ("completions", "best_of", True),
         ("completions", "prompt_logprobs", 1),
         ("completions", "truncate_prompt_tokens", 4),
         ("completions", "bad_words", ["x"]),

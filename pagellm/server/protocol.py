@@ -113,7 +113,7 @@ class _Common(_Strict):
     }
     """vLLM / OpenAI request fields pagellm does not implement, and the values that mean
     "unset": a request giving another value is refused (a 400 naming the field) instead of
-    served as if the field were absent. ``best_of`` is refused above ``n``."""
+    served as if the field were absent. ``best_of`` is refused above ``n`` and below 1."""
 
     model: Text | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -178,7 +178,7 @@ class _Common(_Strict):
         )
 
     def unsupported_field(self) -> str | None:
-        """The first field of ``UNSUPPORTED`` (or ``best_of`` above ``n``) this request sets
+        """The first field of ``UNSUPPORTED`` (or ``best_of`` outside [1, n]) this request sets
         to a value that would change its answer, or None."""
         name = _set_unsupported(self)
         if name is None and self.stream_options is not None:
@@ -186,8 +186,8 @@ class _Common(_Strict):
         if name is not None:
             return name
         best_of = (self.model_extra or {}).get("best_of")
-        if best_of is not None and not (isinstance(best_of, int) and best_of <= self.n):
-            return "best_of"
+        if best_of is not None and not (type(best_of) is int and 1 <= best_of <= self.n):
+            return "best_of"  # above n is not built; below 1 (or not an integer) is no value
         return None
 
     def output_constraint(self) -> tuple[StructuredOutputsParams | None, str]:
