@@ -366,13 +366,14 @@ class StructuredOutputManager:
 
     def bitmasks(self, wanted: list[tuple[str, list[int]]]) -> dict[str, Any]:
         """Bitmask rows for ``(seq_id, proposal)`` pairs, filled on the fill thread in one
-        handoff (another after each overrun). Per sequence: the allowed tokens of its next ``1 + len(proposal)`` rows, as
-        int32 bitmask rows (bit ``t % 32`` of word ``t // 32`` set when token t is allowed; row
-        j as if the first j proposed tokens were accepted; the proposal must be one
-        ``allowed_proposal`` passed); or the exception its fill raised (FillTimeout past
-        ``fill_timeout``: its request is then over budget, and its matcher stays with the
-        thread left behind); or None when its request was already past its matching budget
-        (no fill: n copies of a costly grammar would stall the step n times)."""
+        handoff (another after each overrun). Per sequence: the allowed tokens of its next
+        ``1 + len(proposal)`` rows, as int32 bitmask rows (bit ``t % 32`` of word ``t // 32``
+        set when token t is allowed; row j as if the first j proposed tokens were accepted;
+        the proposal must be one ``allowed_proposal`` passed); or the exception its fill
+        raised (FillTimeout past ``fill_timeout``: its request is then over budget, and its
+        matcher stays with the thread left behind); or None when its request was already past
+        its matching budget (no fill: n copies of a costly grammar would stall the step n
+        times)."""
         filled: dict[str, Any] = {}
         while wanted:
             jobs = [functools.partial(self._fill_in_budget, *pair) for pair in wanted]
@@ -387,7 +388,7 @@ class StructuredOutputManager:
     def _fill_in_budget(self, seq_id: str, proposal: list[int]) -> torch.Tensor | None:
         """On the fill thread: one sequence's rows, charged to its request's budget; None
         when the request is already past it (not filled)."""
-        entry, clock = self._entries[seq_id], self.clock  # the clock of the step it began in
+        entry, clock = self._entries[seq_id], self.clock  # the clock it began with, to the end
         if self.over_budget(seq_id) is not None:
             return None
         start = clock()
