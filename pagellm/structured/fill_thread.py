@@ -116,8 +116,9 @@ class FillThread:
     def _abandon(self, thread: threading.Thread) -> None:
         self.close()
         self.abandoned += 1
-        with self._left_lock:  # pruned here too: the offline LLM never asks left_running()
-            self._left = [t for t in self._left if t.is_alive()] + [thread]
+        with self._left_lock:
+            self._left.append(thread)
+        self.left_running()  # prunes the ended ones: the offline LLM never asks otherwise
         _LOG.warning("grammar matching overran its bound; its thread is left to finish")
 
 
