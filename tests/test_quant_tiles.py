@@ -59,7 +59,7 @@ def test_decoded_weights_are_the_reference_rounded_to_bf16(tiles, name, k):
 
 def test_every_fp8_code_decodes_exactly(tiles):
     """Every finite E4M3 code (both signs, subnormals, zero) in per-channel rows scaled by 1: the
-    decoded weight is the code's value (the 8-bit codes go through a lookup table)."""
+    decoded weight is the code's value (bits moved into place, exponent 0 looked up)."""
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     finite = codes[torch.isfinite(codes)]
     values = torch.cat([finite, torch.zeros(-finite.numel() % 127)]).view(-1, 127)

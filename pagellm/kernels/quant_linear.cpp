@@ -69,10 +69,7 @@ inline float decode1(const uint8_t* row, int c) {
 template <Code C>
 inline __m256 decode8(const uint8_t* row, int c) {
   if constexpr (C == FP8_E4M3) {
-    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
-    const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
-    const __m128i rest = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
-    return _mm256_cvtph_ps(_mm_or_si128(sign, rest));
+    return _mm256_cvtph_ps(e4m3_half_bits8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c))));
   }
   __m256i v;
   if constexpr (C == INT8) {
@@ -95,10 +92,7 @@ inline vf decode(const uint8_t* row, int c) {
   // sixteen integer codes widened by one instruction (a 4-bit half-block: its 16 bytes, low
   // nibbles for the block's first 16 inputs, high ones for the rest)
   if constexpr (VW == 16 && C == FP8_E4M3) {  // sixteen E4M3 bytes as halves, one conversion
-    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
-    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
-    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
-    const __m512 f = _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+    const __m512 f = _mm512_cvtph_ps(e4m3_half_bits16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c))));
     vf out;
     std::memcpy(&out, &f, sizeof out);
     return out;

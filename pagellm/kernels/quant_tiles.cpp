@@ -28,6 +28,7 @@
 #include <omp.h>
 
 #include "amx_common.h"
+#include "cpu_common.h"
 #include "aligned_vector.h"
 #include "amx_pass.h"
 #include "quant_layout.h"
@@ -47,43 +48,43 @@ constexpr int STEP = FB * KS;  // bf16 values of one step of a block
 template <Code C>
 inline __m512 codes16(const uint8_t* row, int c) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c));
-  if constexpr (C == FP8_E4M3) {
-    const __m256i b = _mm256_cvtepu8_epi16(bytes);
-    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
-    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
-    return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
-  }
+  if constexpr (C == FP8_E4M3) return _mm512_cvtph_ps(e4m3_half_bits16(bytes));
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
 }
 
 // Thirty-two E4M3 codes of a row from input c straight to bf16 (value / 256, as codes16 reads
-// them: exact in bf16): the 128 magnitudes are a table looked up by two VPERMT2W (64 entries
-// each), bit 6 picks between them and the code's sign goes to bit 15. 7 instructions where
-// codes16 twice and a conversion take 15 (the per-channel FP8 weights' decode at many rows).
-struct Fp8Bf16Table {
-  alignas(64) uint16_t v[128];
-  Fp8Bf16Table() {
-    for (int b = 0; b < 128; ++b) {
-      const float f = _cvtsh_ss(static_cast<unsigned short>(b << 7));
+// them: exact in bf16). A normal code's bits move into place (exponent + 112 - 7 + 7: the code's
+// exponent field below bf16's, rebased) in three instructions; codes with exponent 0 (zero and
+// the subnormals, rare in weights) are looked up, only when a step has any. Every byte decodes
+// to the bits the 128-entry table before it gave (checked exhaustively); 1.25x its speed alone.
+struct Fp8TinyTable {
+  alignas(64) uint16_t v[32];  // [m]: bf16 of m * 2^-17 (code 0 000 m / 256); rest unused
+  Fp8TinyTable() {
+    for (int m = 0; m < 32; ++m) {
+      const float f = m < 8 ? static_cast<float>(m) / 131072.f : 0.f;
       uint32_t u;
       std::memcpy(&u, &f, 4);
-      v[b] = static_cast<uint16_t>(u >> 16);  // exact: 3 mantissa bits
+      v[m] = static_cast<uint16_t>(u >> 16);  // exact: at most 3 significant bits
     }
   }
 };
 
 inline __m512i fp8_codes32_bf16(const uint8_t* row, int c) {
-  static const Fp8Bf16Table table;
-  const __m512i t0 = _mm512_load_si512(table.v), t1 = _mm512_load_si512(table.v + 32);
-  const __m512i t2 = _mm512_load_si512(table.v + 64), t3 = _mm512_load_si512(table.v + 96);
   const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
-  const __m512i w = _mm512_cvtepu8_epi16(bytes);
-  const __m512i low = _mm512_permutex2var_epi16(t0, w, t1);  // indexes by the low 6 bits
-  const __m512i high = _mm512_permutex2var_epi16(t2, w, t3);
-  const __mmask32 upper = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40));
-  const __m512i mag = _mm512_mask_blend_epi16(upper, low, high);
-  const __m512i sign_bit = _mm512_set1_epi16(static_cast<short>(0x8000));
-  return _mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(w, 8), sign_bit, 0xF8);  // a | (b & c)
+  const __m512i sx = _mm512_cvtepi8_epi16(bytes);  // the sign fills bits 7-15
+  // (sx << 4) & 0x87F0: sign at 15, exponent at 7-10, mantissa at 4-6; | 0x3800 adds 112 to the
+  // exponent (bits 11-13 are clear, so OR is the sum)
+  const __m512i mask = _mm512_set1_epi16(static_cast<short>(0x87F0));
+  __m512i v = _mm512_ternarylogic_epi32(_mm512_slli_epi16(sx, 4), mask, _mm512_set1_epi16(0x3800), 0xEA);
+  const __mmask32 tiny = _mm512_testn_epi16_mask(sx, _mm512_set1_epi16(0x78));
+  if (tiny != 0) {
+    static const Fp8TinyTable table;
+    // the index is the word's low 5 bits: the mantissa where the exponent is 0
+    v = _mm512_mask_permutexvar_epi16(v, tiny, sx, _mm512_load_si512(table.v));
+    const __m512i sign_bit = _mm512_set1_epi16(static_cast<short>(0x8000));
+    v = _mm512_ternarylogic_epi32(v, sx, sign_bit, 0xF8);  // a | (b & c)
+  }
+  return v;
 }
 
 // A row's group constants as floats (fp8: the scale carries 256), converted sixteen groups at
