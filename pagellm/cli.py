@@ -526,6 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
         batch_invariant,
         console,
         long_prompt,
+        quant_kernels,
         quantization,
         reliability,
         step_profile,
@@ -539,6 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
     reliability.add_parser(bench_sub)
     long_prompt.add_parser(bench_sub)
     quantization.add_parser(bench_sub)
+    quant_kernels.add_parser(bench_sub)
     step_profile.add_parser(bench_sub)
     structured.add_parser(bench_sub)
     console.add_parser(bench_sub)
