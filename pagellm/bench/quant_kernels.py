@@ -1,13 +1,13 @@
 """``pagellm bench quant-kernels``: pagellm's quantized linear kernels against torch's own
 weight-only CPU ops on the same weights, shape by shape and row count by row count, in one run.
 
-torch ships ``_weight_int8pack_mm`` (per-channel int8 weights, x in its float dtype) and
-``_weight_int4pack_mm_for_cpu`` (int4 in groups, tinygemm's ``(q - 8) * scale + zero`` form): the
-ops torchao's CPU int8 and int4 weight-only layouts call. For each format, shape and number of
-rows of bf16 x, every contender multiplies x by ``--layers`` distinct copies of the weight (so
-weights come from memory, as in a model's step), the contenders in turn for ``--rounds`` rounds
-after one round of warm-up; the table gives medians, and each contender's time as a ratio of
-pagellm's.
+torch ships ``_weight_int8pack_mm`` (per-channel int8 weights, x in its float dtype: gpt-fast's
+int8 weight-only op) and ``_weight_int4pack_mm_for_cpu`` (int4 in groups, tinygemm's
+``(q - 8) * scale + zero`` form: what torchao's CPU int4 weight-only tensor calls). For each
+format, shape and number of rows of bf16 x, every contender multiplies x by ``--layers``
+distinct copies of the weight (so weights come from memory, as in a model's step), the
+contenders in turn for ``--rounds`` rounds after one round of warm-up; the table gives medians,
+and each contender's time as a ratio of pagellm's.
 
 Contenders:
   pagellm  ``QuantLinearKernel`` as a captured decode step runs it (bound once to x's and the
