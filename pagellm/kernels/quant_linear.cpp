@@ -69,7 +69,8 @@ inline float decode1(const uint8_t* row, int c) {
 template <Code C>
 inline __m256 decode8(const uint8_t* row, int c) {
   if constexpr (C == FP8_E4M3) {
-    return _mm256_cvtph_ps(e4m3_half_bits8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c))));
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c));
+    return _mm256_cvtph_ps(e4m3_half_bits8(bytes));
   }
   __m256i v;
   if constexpr (C == INT8) {
@@ -92,7 +93,8 @@ inline vf decode(const uint8_t* row, int c) {
   // sixteen integer codes widened by one instruction (a 4-bit half-block: its 16 bytes, low
   // nibbles for the block's first 16 inputs, high ones for the rest)
   if constexpr (VW == 16 && C == FP8_E4M3) {  // sixteen E4M3 bytes as halves, one conversion
-    const __m512 f = _mm512_cvtph_ps(e4m3_half_bits16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c))));
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c));
+    const __m512 f = _mm512_cvtph_ps(e4m3_half_bits16(bytes));
     vf out;
     std::memcpy(&out, &f, sizeof out);
     return out;
@@ -266,9 +268,10 @@ inline float row_correction(const Layout& L, int n, const float* xsum) {
 // of per-channel int8).
 // 8-bit rows are fetched ahead by hand: the hardware's prefetch left a one-row step of int8 or
 // Q8_0 weights 25-35% slower (30 layers of SmolLM2's shapes, DRAM-resident, AVX2 Zen 3; 4-32
-// rows ahead alike). 4-bit rows gained nothing from it. 16 rows ahead on the AMX Xeon: 30 layers of SmolLM2's shapes at one row, 8 / 16 / 32 / 64 rows
-// in turn three times: int8 7.6-7.8 / 6.8-6.9 / 7.2-7.7 / 7.5-7.7 ms, FP8 8.4-9.5 / 6.8-7.5 /
-// 7.3-7.6 / 7.3-7.5, Q8_0 alike (7.1-7.9).
+// rows ahead alike). 4-bit rows gained nothing from it. 16 rows ahead on the AMX Xeon (30
+// layers of SmolLM2's shapes at one row, 8 / 16 / 32 / 64 rows in turn three times: int8
+// 7.6-7.8 / 6.8-6.9 / 7.2-7.7 / 7.5-7.7 ms, FP8 8.4-9.5 / 6.8-7.5 / 7.3-7.6 / 7.3-7.5, Q8_0
+// alike at 7.1-7.9).
 constexpr int PREFETCH_ROWS = 16;
 // A row read alone (8-bit codes) sums a group of 64+ inputs in four vectors side by side, added
 // at the group's end, so that a multiply-add need not wait for the one before (int8 1.04x, FP8
