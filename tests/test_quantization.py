@@ -103,6 +103,8 @@ ONE_ROW_FORMATS = {
     "int4_g256": QuantFormat("int4", bits=4, group_size=256, zero=None),
     # 8-bit codes in Q8_0's form: 64 inputs a chunk, two groups of 32 per chunk
     "q8_0_g32": FORMATS["q8_0"],
+    # per-channel FP8: one row sums groups of 64+ inputs four vectors at a time, then the rest
+    "fp8": FORMATS["fp8"],
 }
 
 
@@ -117,7 +119,7 @@ def test_few_bf16_rows_match_the_dequantized_matmul(kernel, name, k, rows):
     64-input chunks of 8-bit codes) and a count of them
     that leaves a remainder of every row block; zero-mean data, so that x's rounding shows."""
     fmt = ONE_ROW_FORMATS[name]
-    if k % fmt.group_size:
+    if fmt.group_size and k % fmt.group_size:
         pytest.skip("the group does not divide the inputs")
     torch.manual_seed(k + rows)
     w = quantize(torch.randn(37, k), fmt)
@@ -199,6 +201,11 @@ def test_kernel_decodes_every_fp8_code_as_the_reference(kernel, name):
     for rows in (1, 3, 33):
         x = torch.randn(rows, 128)
         torch.testing.assert_close(kernel(x, w), x @ ref.t(), rtol=1e-4, atol=1e-3)
+    # one row of bf16 x: the exact weights, each row's sum scaled once (per-channel codes)
+    xb = torch.randn(1, 128).bfloat16()
+    exact = xb.double() @ ref.double().t()
+    tol = 1e-3 * exact.abs().max().item()
+    torch.testing.assert_close(kernel(xb, w).double(), exact, rtol=8e-3, atol=tol)
 
 
 def test_online_fp8_is_per_channel_absmax_onto_448():

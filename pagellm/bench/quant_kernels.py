@@ -13,7 +13,9 @@ Contenders:
   pagellm  ``QuantLinearKernel`` as a captured decode step runs it (bound once to x's and the
            output's buffers, so no Python between calls), on the route it takes for that many
            rows (register path, int8 activations, AMX or AVX-512 BF16 tiles, bf16 panels).
-           torch's ops are called from Python each time, as an eager model would.
+  pagellm_eager  the same kernel called from Python each time (its route chosen and its output
+           allocated per call), as torch's ops are: the fair match for them at few rows, where
+           a call's fixed cost is a fair share of its time.
   torch    the same codes in torch's form: int8 codes with their scales in bf16 (the op wants
            x's dtype); int4 codes repacked by ``_convert_weight_to_int4pack_for_cpu`` with bf16
            scales and zeros ``(8 - z) * scale``.
@@ -40,7 +42,8 @@ from pagellm.quant.online import int4_format, int8_format, quantize
 DEFAULT_SHAPES = "960x576,576x576,3072x576,576x1536"
 """SmolLM2-135M's linear layers as out x in: q/k/v together, o, gate/up together, down."""
 
-CONTENDERS = ("pagellm", "torch", "bf16")
+CONTENDERS = ("pagellm", "pagellm_eager", "torch", "bf16")
+RATIOS = CONTENDERS[1:]  # printed as their time over pagellm's
 
 Call = Callable[[torch.Tensor], torch.Tensor]
 
@@ -123,6 +126,8 @@ def _contender(name: str, fmt: str, w: torch.Tensor, kernel) -> Call:
     q = _quantized(fmt, w)
     if name == "pagellm":
         return _bound(kernel, q)
+    if name == "pagellm_eager":
+        return lambda x: kernel(x, q)
     if name == "bf16":
         dense = q.dequantize().bfloat16()
         return lambda x: torch.nn.functional.linear(x, dense)
@@ -132,13 +137,14 @@ def _contender(name: str, fmt: str, w: torch.Tensor, kernel) -> Call:
 def _bound(kernel, q: QuantizedWeight) -> Call:
     """The kernel as a captured decode step runs it: its call bound once to x's and the
     output's buffers (the route chosen then), so no Python runs between kernels."""
-    bound: dict[int, tuple[torch.Tensor, Callable[[], int]]] = {}
+    bound: dict[tuple, tuple[torch.Tensor, torch.Tensor, Callable[[], int]]] = {}
 
     def call(x: torch.Tensor) -> torch.Tensor:
-        if x.data_ptr() not in bound:
+        key = (x.data_ptr(), tuple(x.shape))  # x is kept below: its address stays its own
+        if key not in bound:
             out = torch.empty(x.shape[0], q.shape[0], dtype=x.dtype)
-            bound[x.data_ptr()] = (out, kernel.bind(x, q, out))
-        out, run = bound[x.data_ptr()]
+            bound[key] = (x, out, kernel.bind(x, q, out))
+        _, out, run = bound[key]
         if run() != 0:
             raise RuntimeError(f"quantized kernel failed ({q.fmt.name}, {q.shape})")
         return out
@@ -186,7 +192,8 @@ def _errors(calls: dict[str, list[Call]], x: torch.Tensor, w: torch.Tensor, fmt:
 
 
 def render(results: dict[str, Any]) -> str:
-    headers = ["format", "shape", "rows", "pagellm ms", "torch ms", "bf16 ms", "max err p/t/b"]
+    headers = ["format", "shape", "rows", "pagellm ms", "eager ms", "torch ms", "bf16 ms",
+               "max err p/e/t/b"]  # fmt: skip
     lines = [rep.cpu_line(results["environment"]),
              f"{results['layers']} weights of each shape, medians of {results['rounds']} rounds"]  # fmt: skip
     table = []
@@ -195,7 +202,7 @@ def render(results: dict[str, Any]) -> str:
         ours = ms["pagellm"]
         table.append([
             case["format"], "x".join(str(v) for v in case["shape"]), str(case["rows"]),
-            f"{ours:.2f}", *(f"{ms[n]:.2f} ({ms[n] / ours:.2f}x)" for n in ("torch", "bf16")),
+            f"{ours:.2f}", *(f"{ms[n]:.2f} ({ms[n] / ours:.2f}x)" for n in RATIOS),
             "/".join(f"{err[n]:.0e}" for n in CONTENDERS),
         ])  # fmt: skip
     table += _totals(results["cases"])
@@ -215,5 +222,5 @@ def _totals(cases: list[dict[str, Any]]) -> list[list[str]]:
     for (fmt, m), ms in sums.items():
         ours = ms["pagellm"]
         rows.append([fmt, "all", str(m), f"{ours:.2f}",
-                     *(f"{ms[n]:.2f} ({ms[n] / ours:.2f}x)" for n in ("torch", "bf16")), ""])  # fmt: skip
+                     *(f"{ms[n]:.2f} ({ms[n] / ours:.2f}x)" for n in RATIOS), ""])  # fmt: skip
     return rows

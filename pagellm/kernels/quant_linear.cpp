@@ -276,7 +276,9 @@ constexpr int PREFETCH_ROWS = 16;
 // A row read alone (8-bit codes) sums a group of 64+ inputs in four vectors side by side, added
 // at the group's end, so that a multiply-add need not wait for the one before (int8 1.04x, FP8
 // 1.02x on the Xeon; groups of 32, Q8_0's, keep one sum: split they took 1.08x the time).
-constexpr int SPLIT_SUMS = 4;  // the sum below adds four
+constexpr int SPLIT_SUMS = 4;
+constexpr int SPLIT_MIN_GROUP = 64;  // inputs, at either vector width
+static_assert(SPLIT_SUMS == 4, "single_row_block adds the four sums by name");
 // x is in srlv_dot's order where that decoder applies (run_single permutes it).
 
 template <Code C, int R>
@@ -315,7 +317,7 @@ void single_row_block(const Layout& L, const float* x, const float* xsum, int n,
       {
 #endif
         int c = g * L.group;
-        if (R == 1 && L.group >= SPLIT_SUMS * VW) {  // one row: four sums side by side
+        if (C != INT4 && R == 1 && L.group >= SPLIT_MIN_GROUP) {  // four sums side by side
           vf split[SPLIT_SUMS] = {};
           for (; c + SPLIT_SUMS * VW <= c1; c += SPLIT_SUMS * VW)
             for (int j = 0; j < SPLIT_SUMS; ++j)
