@@ -86,15 +86,15 @@ def run(args: argparse.Namespace) -> int:
     }
     for fmt in formats:
         for out_f, in_f in shapes:
-            weights = [_weight(out_f, in_f, seed) for seed in range(args.layers)]
+            weights = [_quantized(fmt, _weight(out_f, in_f, seed)) for seed in range(args.layers)]
             calls = {
-                name: [_contender(name, fmt, w, kernel) for w in weights] for name in CONTENDERS
+                name: [_contender(name, fmt, q, kernel) for q in weights] for name in CONTENDERS
             }
             for m in rows:
                 x = torch.randn(m, in_f, generator=torch.Generator().manual_seed(m)).bfloat16()
                 case = {"format": fmt, "shape": [out_f, in_f], "rows": m}
                 case["ms"] = _time(calls, x, args.rounds)
-                case["max_rel_err"] = _errors(calls, x, weights[0], fmt)
+                case["max_rel_err"] = _errors(calls, x, weights[0])
                 results["cases"].append(case)
                 print(f"{fmt} {out_f}x{in_f} @{m}: done", flush=True)
     print(render(results))
@@ -122,8 +122,7 @@ def _quantized(fmt: str, w: torch.Tensor) -> QuantizedWeight:
     return quantize(w, int8_format() if fmt == "int8" else int4_format(w.shape[1]))
 
 
-def _contender(name: str, fmt: str, w: torch.Tensor, kernel) -> Call:
-    q = _quantized(fmt, w)
+def _contender(name: str, fmt: str, q: QuantizedWeight, kernel) -> Call:
     if name == "pagellm":
         return _bound(kernel, q)
     if name == "pagellm_eager":
@@ -183,10 +182,10 @@ def _time(calls: dict[str, list[Call]], x: torch.Tensor, rounds: int) -> dict[st
     return {name: statistics.median(ms) for name, ms in seen.items()}
 
 
-def _errors(calls: dict[str, list[Call]], x: torch.Tensor, w: torch.Tensor, fmt: str) -> dict:
-    """Each contender's largest error on the first layer, as a fraction of the reference's
-    largest value (fp32 x times the dequantized weight)."""
-    ref = x.float() @ _quantized(fmt, w).dequantize().t()
+def _errors(calls: dict[str, list[Call]], x: torch.Tensor, q: QuantizedWeight) -> dict:
+    """Each contender's largest error on the first layer (``q``), as a fraction of the
+    reference's largest value (fp32 x times the dequantized weight)."""
+    ref = x.float() @ q.dequantize().t()
     top = ref.abs().max().item() or 1.0
     return {n: (c[0](x).float() - ref).abs().max().item() / top for n, c in calls.items()}
 
@@ -199,10 +198,9 @@ def render(results: dict[str, Any]) -> str:
     table = []
     for case in results["cases"]:
         ms, err = case["ms"], case["max_rel_err"]
-        ours = ms["pagellm"]
         table.append([
             case["format"], "x".join(str(v) for v in case["shape"]), str(case["rows"]),
-            f"{ours:.2f}", *(f"{ms[n]:.2f} ({ms[n] / ours:.2f}x)" for n in RATIOS),
+            f"{ms['pagellm']:.2f}", *_ratio_cells(ms),
             "/".join(f"{err[n]:.0e}" for n in CONTENDERS),
         ])  # fmt: skip
     table += _totals(results["cases"])
@@ -220,7 +218,10 @@ def _totals(cases: list[dict[str, Any]]) -> list[list[str]]:
             acc[name] += case["ms"][name]
     rows = []
     for (fmt, m), ms in sums.items():
-        ours = ms["pagellm"]
-        rows.append([fmt, "all", str(m), f"{ours:.2f}",
-                     *(f"{ms[n]:.2f} ({ms[n] / ours:.2f}x)" for n in RATIOS), ""])  # fmt: skip
+        rows.append([fmt, "all", str(m), f"{ms['pagellm']:.2f}", *_ratio_cells(ms), ""])
     return rows
+
+
+def _ratio_cells(ms: dict[str, float]) -> list[str]:
+    """Each of RATIOS' times with its ratio to pagellm's (bound) time."""
+    return [f"{ms[n]:.2f} ({ms[n] / ms['pagellm']:.2f}x)" for n in RATIOS]
